@@ -1,0 +1,11 @@
+"""The project's own exception and warning types."""
+
+from __future__ import annotations
+
+
+class ParallelStateError(RuntimeError):
+    """Raised where megatron-core would assert: wrong lifecycle state or an invalid topology."""
+
+
+class ParallelStateWarning(UserWarning):
+    """Warns about use that works but is probably not what was meant."""

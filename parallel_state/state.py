@@ -1,0 +1,153 @@
+"""The one object that holds the live topology, and the lifecycle that builds and frees it."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from parallel_state.errors import ParallelStateError
+from parallel_state.plan import KINDS, TopologyPlan
+
+#: The gloo side groups Megatron builds for CPU-side data-parallel work.
+GLOO_KINDS: tuple[str, ...] = ("dp", "dp-cp")
+
+
+@dataclass
+class ParallelState:
+    """The live topology of this process: the plan, this rank, and its process groups."""
+
+    plan: TopologyPlan
+    rank: int
+    timeout: datetime.timedelta
+    #: kind -> this rank's group; kinds with equal rank sets share one group object.
+    groups: dict[str, Any] = field(default_factory=dict)
+    #: kind -> this rank's gloo group (only with create_gloo_process_groups).
+    gloo_groups: dict[str, Any] = field(default_factory=dict)
+    #: every group this state created, each once, in creation order.
+    owned: list[Any] = field(default_factory=list)
+    virtual_pipeline_size: int | None = None
+    virtual_pipeline_rank: int | None = None
+
+    def ranks(self, kind: str) -> tuple[int, ...]:
+        """Global ranks of this rank's group of ``kind``."""
+        return self.plan.group_ranks(kind, self.rank)
+
+    def group_rank(self, kind: str) -> int:
+        """This rank's index in its group of ``kind``."""
+        return self.plan.group_rank(kind, self.rank)
+
+
+_state: ParallelState | None = None
+#: Values set through Megatron's set_* functions; they win over the live groups, as in Megatron.
+overrides: dict[str, Any] = {}
+_teardown_hooks: list[Callable[[], None]] = []
+
+
+def current(what: str = "this accessor") -> ParallelState:
+    """The live state, or a ParallelStateError that says what to call first."""
+    if _state is None:
+        raise ParallelStateError(
+            f"{what} needs the model-parallel groups, which are not initialized: call "
+            f"parallel_state.initialize_model_parallel(...) (after torch.distributed.init_process_group) first"
+        )
+    return _state
+
+
+def peek() -> ParallelState | None:
+    """The live state or None, for code that must work with and without groups."""
+    return _state
+
+
+def register_teardown_hook(hook: Callable[[], None]) -> None:
+    """Run ``hook`` on every destroy_model_parallel(); packages built on this one free their state there."""
+    if hook not in _teardown_hooks:
+        _teardown_hooks.append(hook)
+
+
+def build(
+    plan: TopologyPlan,
+    *,
+    timeout: datetime.timedelta,
+    create_gloo_process_groups: bool,
+    pipeline_backend: str | None = None,
+    nccl_options: Callable[[str], Any] = lambda kind: None,
+    virtual_pipeline_size: int | None = None,
+) -> ParallelState:
+    """Create this rank's groups for ``plan`` and install them; on any error nothing is left behind."""
+    global _state
+    import torch.distributed as dist
+
+    from parallel_state.groups import GroupBatch, destroy_groups
+
+    if _state is not None:
+        raise ParallelStateError(
+            "model-parallel groups are already initialized; call "
+            "parallel_state.destroy_model_parallel() before initializing again"
+        )
+    rank = dist.get_rank()
+    state = ParallelState(plan=plan, rank=rank, timeout=timeout,
+                          virtual_pipeline_size=virtual_pipeline_size,
+                          virtual_pipeline_rank=0 if virtual_pipeline_size is not None else None)
+    batch = GroupBatch(timeout=timeout)
+    try:
+        for kind in KINDS:
+            # Kinds whose groups hold the same ranks (a dimension of size 1) share one group.
+            twin = next((k for k in state.groups if plan.same_group(k, kind)), None)
+            if twin is not None:
+                state.groups[kind] = state.groups[twin]
+                continue
+            state.groups[kind] = batch.create(
+                state.ranks(kind),
+                index=plan.group_index(kind, rank),
+                count=plan.num_groups(kind),
+                all_groups=lambda kind=kind: plan.groups(kind),
+                backend=pipeline_backend if kind == "pp" else None,
+                pg_options=nccl_options(kind),
+                desc=kind,
+            )
+        if create_gloo_process_groups:
+            reuse = dist.get_backend() == "gloo"
+            for kind in GLOO_KINDS:
+                twin = next((k for k in state.gloo_groups if plan.same_group(k, kind)), None)
+                if reuse:
+                    state.gloo_groups[kind] = state.groups[kind]
+                elif twin is not None:
+                    state.gloo_groups[kind] = state.gloo_groups[twin]
+                else:
+                    state.gloo_groups[kind] = batch.create(
+                        state.ranks(kind), index=plan.group_index(kind, rank),
+                        count=plan.num_groups(kind), all_groups=lambda kind=kind: plan.groups(kind),
+                        backend="gloo", desc=f"{kind}-gloo",
+                    )
+    except BaseException:
+        destroy_groups(batch.created)
+        batch.close()
+        raise
+    batch.close()
+    state.owned = batch.created
+    _state = state
+    return state
+
+
+def teardown() -> None:
+    """Free every group the live state created, run the teardown hooks, and forget everything."""
+    global _state
+    from parallel_state.groups import destroy_groups
+
+    state, _state = _state, None
+    overrides.clear()
+    errors: list[BaseException] = []
+    for hook in list(_teardown_hooks):
+        try:
+            hook()
+        except BaseException as exc:  # keep tearing down; report after
+            errors.append(exc)
+    pkg = sys.modules.get("parallel_state")
+    if pkg is not None and "cp_size_t" in vars(pkg):
+        delattr(pkg, "cp_size_t")
+    if state is not None:
+        destroy_groups(state.owned)
+    if errors:
+        raise errors[0]

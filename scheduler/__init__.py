@@ -1,0 +1,1 @@
+"""Pipeline-parallel point-to-point scheduler."""

@@ -1,0 +1,40 @@
+"""Shared fixtures: session-wide pools of real gloo ranks, one pool per world size."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for p in (ROOT, HERE):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from rankpool import RankPool  # noqa: E402
+
+
+class Pools:
+    """Hands out one live pool per world size, rebuilding any that a failure killed."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def __call__(self, world_size: int) -> RankPool:
+        pool = self._pools.get(world_size)
+        if pool is None or pool.broken:
+            pool = self._pools[world_size] = RankPool(world_size)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+
+
+@pytest.fixture(scope="session")
+def pools():
+    p = Pools()
+    yield p
+    p.close()
