@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from parallel_state import state as _st
+from parallel_state.arguments import flag, non_negative_int, positive_int
 from parallel_state.errors import ParallelStateError
 
 
@@ -21,14 +22,20 @@ def _dist_ready() -> bool:
 
 
 def _kind(kind: str, cp_kind: str | None, with_context_parallel: bool) -> str:
-    return cp_kind if (with_context_parallel and cp_kind) else kind
+    return cp_kind if (flag("with_context_parallel", with_context_parallel) and cp_kind) else kind
+
+
+def _no_partial(partial_data_parallel: bool) -> None:
+    if flag("partial_data_parallel", partial_data_parallel):
+        raise NotImplementedError("partial data parallel groups are not supported; pass partial_data_parallel=False")
 
 
 def _group_getter(kind: str, label: str) -> Callable[..., Any]:
     def get(check_initialized: bool = True) -> Any:
+        check = flag("check_initialized", check_initialized)
         state = _st.peek()
         if state is None:
-            if check_initialized:
+            if check:
                 _st.current(f"get the {label} group")
             return None
         return state.groups[kind]
@@ -39,12 +46,14 @@ def _group_getter(kind: str, label: str) -> Callable[..., Any]:
 
 def _rank_getter(kind: str, label: str, override: str | None = None,
                  cp_kind: str | None = None, zero_without_dist: bool = False) -> Callable[..., int]:
-    def get(with_context_parallel: bool = False, **_megatron_flags: Any) -> int:
+    def get(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+        _no_partial(partial_data_parallel)
+        which = _kind(kind, cp_kind, with_context_parallel)
         if override and override in _st.overrides:
             return _st.overrides[override]
         if zero_without_dist and not _dist_ready():
             return 0
-        return _st.current(f"get the {label} rank").group_rank(_kind(kind, cp_kind, with_context_parallel))
+        return _st.current(f"get the {label} rank").group_rank(which)
 
     get.__doc__ = f"This rank's index in its {label} group."
     return get
@@ -52,12 +61,14 @@ def _rank_getter(kind: str, label: str, override: str | None = None,
 
 def _size_getter(kind: str, label: str, override: str | None = None,
                  cp_kind: str | None = None, zero_without_dist: bool = False) -> Callable[..., int]:
-    def get(with_context_parallel: bool = False, **_megatron_flags: Any) -> int:
+    def get(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+        _no_partial(partial_data_parallel)
+        which = _kind(kind, cp_kind, with_context_parallel)
         if override and override in _st.overrides:
             return _st.overrides[override]
         if zero_without_dist and not _dist_ready():
             return 0
-        return _st.current(f"get the {label} world size").plan.group_size(_kind(kind, cp_kind, with_context_parallel))
+        return _st.current(f"get the {label} world size").plan.group_size(which)
 
     get.__doc__ = f"Number of ranks in this rank's {label} group."
     return get
@@ -65,22 +76,25 @@ def _size_getter(kind: str, label: str, override: str | None = None,
 
 def _ranks_getter(kind: str, label: str, cp_kind: str | None = None) -> Callable[..., list[int]]:
     def get(with_context_parallel: bool = False, check_initialized: bool = True) -> Any:
-        state = _st.peek()
-        if state is None and not check_initialized:
+        which = _kind(kind, cp_kind, with_context_parallel)
+        if _st.peek() is None and not flag("check_initialized", check_initialized):
             return None
+        flag("check_initialized", check_initialized)
         state = _st.current(f"get the {label} ranks")
-        return list(state.ranks(_kind(kind, cp_kind, with_context_parallel)))
+        return list(state.ranks(which))
 
     get.__doc__ = f"Global ranks of this rank's {label} group."
     return get
 
 
 def _setter(key: str) -> Callable[[Any], None]:
+    check = positive_int if key.endswith("world_size") else non_negative_int
+
     def set_(value: Any) -> None:
         if value is None:
             _st.overrides.pop(key, None)
         else:
-            _st.overrides[key] = value
+            _st.overrides[key] = check(key, value)
 
     set_.__doc__ = f"Override the {key.replace('_', ' ')} (megatron-core's testing hook); None clears it."
     return set_
@@ -118,32 +132,35 @@ get_tensor_and_context_parallel_group = _group_getter("tp-cp", "tensor-and-conte
 def get_data_parallel_group(with_context_parallel: bool = False, partial_data_parallel: bool = False,
                             independent_all_gather: bool = False) -> Any:
     """This rank's data-parallel group (dp x cp with ``with_context_parallel``)."""
-    if partial_data_parallel or independent_all_gather:
-        raise NotImplementedError("partial data parallel and separate all-gather groups are not supported")
-    return _st.current("get the data-parallel group").groups["dp-cp" if with_context_parallel else "dp"]
+    _no_partial(partial_data_parallel)
+    if flag("independent_all_gather", independent_all_gather):
+        raise NotImplementedError("separate all-gather groups are not supported; pass independent_all_gather=False")
+    return _st.current("get the data-parallel group").groups[_kind("dp", "dp-cp", with_context_parallel)]
 
 
 def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> Any:
     """This rank's gloo data-parallel group (dp x cp with ``with_context_parallel``)."""
-    if partial_data_parallel:
-        raise NotImplementedError("partial data parallel groups are not supported")
+    _no_partial(partial_data_parallel)
+    kind = _kind("dp", "dp-cp", with_context_parallel)
     state = _st.current("get the gloo data-parallel group")
     if not state.gloo_groups:
         raise ParallelStateError(
             "the gloo data-parallel group was not created: initialize_model_parallel was called "
             "with create_gloo_process_groups=False"
         )
-    return state.gloo_groups["dp-cp" if with_context_parallel else "dp"]
+    return state.gloo_groups[kind]
 
 
 def get_tensor_and_data_parallel_group(check_initialized: bool = True, with_context_parallel: bool = False) -> Any:
     """This rank's tp x dp group (tp x dp x cp with ``with_context_parallel``)."""
+    kind = _kind("tp-dp", "tp-dp-cp", with_context_parallel)
+    check = flag("check_initialized", check_initialized)
     state = _st.peek()
     if state is None:
-        if check_initialized:
+        if check:
             _st.current("get the tensor-and-data-parallel group")
         return None
-    return state.groups["tp-dp-cp" if with_context_parallel else "tp-dp"]
+    return state.groups[kind]
 
 
 _cp_global_ranks = _ranks_getter("cp", "context-parallel")
@@ -186,7 +203,7 @@ def get_model_parallel_src_rank() -> int:
 
 def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
     """Global rank of the first member of this rank's data-parallel group."""
-    return _st.current("get_data_parallel_src_rank").ranks("dp-cp" if with_context_parallel else "dp")[0]
+    return _st.current("get_data_parallel_src_rank").ranks(_kind("dp", "dp-cp", with_context_parallel))[0]
 
 
 # --- pipeline --------------------------------------------------------------------------------
@@ -235,12 +252,20 @@ set_virtual_pipeline_model_parallel_world_size = _setter("virtual_pipeline_model
 set_virtual_pipeline_model_parallel_rank = _setter("virtual_pipeline_model_parallel_rank")
 
 
+def _vp_stage(vp_stage: int | None, vpp: int) -> int:
+    if vp_stage is None:
+        raise ParallelStateError("vp_stage must be passed when the virtual pipeline is enabled")
+    stage = non_negative_int("vp_stage", vp_stage)
+    if stage >= vpp:
+        raise ParallelStateError(f"vp_stage={stage} is not a model chunk: the virtual pipeline has chunks 0..{vpp - 1}")
+    return stage
+
+
 def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether this rank runs the first pipeline stage (and, unless ignore_virtual, the first chunk)."""
-    if not ignore_virtual and get_virtual_pipeline_model_parallel_world_size() is not None:
-        if vp_stage is None:
-            raise ParallelStateError("vp_stage must be passed when the virtual pipeline is enabled")
-        if vp_stage != 0:
+    vpp = get_virtual_pipeline_model_parallel_world_size()
+    if not flag("ignore_virtual", ignore_virtual) and vpp is not None:
+        if _vp_stage(vp_stage, vpp) != 0:
             return False
     return get_pipeline_model_parallel_rank() == 0
 
@@ -248,10 +273,8 @@ def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = 
 def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether this rank runs the last pipeline stage (and, unless ignore_virtual, the last chunk)."""
     vpp = get_virtual_pipeline_model_parallel_world_size()
-    if not ignore_virtual and vpp is not None:
-        if vp_stage is None:
-            raise ParallelStateError("vp_stage must be passed when the virtual pipeline is enabled")
-        if vp_stage != vpp - 1:
+    if not flag("ignore_virtual", ignore_virtual) and vpp is not None:
+        if _vp_stage(vp_stage, vpp) != vpp - 1:
             return False
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
 
@@ -266,7 +289,7 @@ def get_all_ranks() -> str:
 
 def get_tp_group(with_context_parallel: bool = False) -> Any:
     """This rank's tensor-parallel group (tp x cp with ``with_context_parallel``)."""
-    return _st.current("get_tp_group").groups["tp-cp" if with_context_parallel else "tp"]
+    return _st.current("get_tp_group").groups[_kind("tp", "tp-cp", with_context_parallel)]
 
 
 get_tp_rank = _rank_getter("tp", "tensor-model-parallel", "tensor_model_parallel_rank", "tp-cp")

@@ -7,5 +7,9 @@ class ParallelStateError(RuntimeError):
     """Raised where megatron-core would assert: wrong lifecycle state or an invalid topology."""
 
 
+class ParallelStateTypeError(ParallelStateError, TypeError):
+    """An argument of the wrong type; both a TypeError and a ParallelStateError, so either catches it."""
+
+
 class ParallelStateWarning(UserWarning):
     """Warns about use that works but is probably not what was meant."""

@@ -10,7 +10,9 @@ We take the default path on the members only and advance the counter arithmetica
 batch of ``n`` world-wide groups owns the counter values ``[base, base + n)``; each member
 creates its group under ``base + <index of the group in the batch>`` and every rank then moves
 the counter to ``base + n``. Names stay unique per process and identical across a group's
-members, and no rank does work for groups it is not in.
+members, and no rank does work for groups it is not in. A batch reserves its whole span up
+front, so a batch that fails part-way (on some ranks only, at different groups) still leaves
+every rank's counter at the same value, and a retry names its groups alike everywhere.
 """
 
 from __future__ import annotations
@@ -46,9 +48,14 @@ def _eager_nccl() -> bool:
 
 @dataclass
 class GroupBatch:
-    """Allocates counter-named groups for one ``initialize_model_parallel`` call."""
+    """Allocates counter-named groups for one ``initialize_model_parallel`` call.
+
+    ``reserve`` is the number of counter values the batch may use; it must be the same on
+    every rank (a function of the plan only).
+    """
 
     timeout: datetime.timedelta
+    reserve: int = 0
     created: list[Any] = field(default_factory=list)
     _base: int = field(default=-1)
     _next_slot: int = 0
@@ -92,6 +99,13 @@ class GroupBatch:
                 list(ranks), timeout=self.timeout, backend=backend,
                 pg_options=pg_options, group_desc=desc,
             )
+        except Exception as exc:
+            raise ParallelStateError(
+                f"rank {dist.get_rank()} could not create its {desc} process group with ranks {list(ranks)} "
+                f"(timeout {self.timeout}): {exc}. Usually a member rank died, or did not call "
+                f"initialize_model_parallel with the same arguments; the groups built so far were destroyed, "
+                f"so initialize_model_parallel can be called again"
+            ) from exc
         finally:
             c10d._world.group_count = self._base + self._next_slot
         if pg is None or pg == dist.GroupMember.NON_GROUP_MEMBER:
@@ -101,15 +115,29 @@ class GroupBatch:
 
     def close(self) -> None:
         """Leave the counter past every name this batch could have used, on every rank alike."""
-        c10d._world.group_count = max(c10d._world.group_count, self._base + self._next_slot)
+        c10d._world.group_count = max(c10d._world.group_count, self._base + max(self.reserve, self._next_slot))
 
 
 def destroy_groups(groups: list[Any]) -> None:
-    """Destroy each group once, skipping those torch has already forgotten."""
+    """Destroy each group once, skipping those torch has already forgotten.
+
+    Every group is attempted even when one fails (a dead peer must not leave the rest
+    alive); the first error is raised afterwards.
+    """
     seen: set[int] = set()
+    first_error: BaseException | None = None
     for pg in groups:
         if pg is None or id(pg) in seen:
             continue
         seen.add(id(pg))
         if pg in c10d._world.pg_map:
-            dist.destroy_process_group(pg)
+            tag = c10d._world.pg_to_tag.get(pg)
+            try:
+                dist.destroy_process_group(pg)
+            except Exception as exc:
+                first_error = first_error or exc
+            # torch leaves each destroyed group's tag behind with an empty list: a leak per group.
+            if tag is not None and c10d._world.tags_to_pg.get(tag) == []:
+                del c10d._world.tags_to_pg[tag]
+    if first_error is not None:
+        raise first_error

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any, Callable, List, Optional
 
 from parallel_state import state as _st
-from parallel_state.errors import ParallelStateError
+from parallel_state.errors import ParallelStateError, ParallelStateTypeError
 from parallel_state.plan import TopologyPlan
 
 # Megatron's names for the NCCL communicator config sections, by group kind.
@@ -40,8 +41,14 @@ def _nccl_options_factory(config_path: str | None, high_priority: list[str] | No
             raise ParallelStateError(
                 "nccl_communicator_config_path needs the 'yaml' package: pip install pyyaml"
             ) from exc
-        with open(config_path) as stream:
-            cfgs = yaml.safe_load(stream) or {}
+        try:
+            with open(config_path) as stream:
+                cfgs = yaml.safe_load(stream) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ParallelStateError(
+                f"nccl_communicator_config_path={config_path!r} cannot be read ({exc}); pass the path of a "
+                f"YAML file of per-group NCCL settings, or None"
+            ) from exc
     for name in high_priority or []:
         cfgs.setdefault(name, {})["is_high_priority_stream"] = True
     if not cfgs:
@@ -99,41 +106,21 @@ def initialize_model_parallel(
 
     Takes megatron-core's arguments in its order; ``tp_size``/``cp_size``/``pp_size`` are the
     MAGI-1 / WorldFoundry spellings, ``timeout`` sets the groups' timeout more finely than
-    ``distributed_timeout_minutes``, and ``check_consistency`` compares every rank's arguments
-    in one collective before any group is built. Each rank creates only the groups it is in.
+    ``distributed_timeout_minutes``. ``check_consistency`` compares every rank's arguments
+    before any group is built and confirms every rank built its groups afterwards (a round
+    through the default store each, bounded by the timeout), so that all ranks keep the
+    groups or none does. Each rank creates only the groups it is in; on any error nothing is
+    left behind.
     """
     import torch.distributed as dist
+
+    from parallel_state import arguments as a
 
     tp = _alias("tensor_model_parallel_size", tensor_model_parallel_size, 1, "tp_size", tp_size)
     cp = _alias("context_parallel_size", context_parallel_size, 1, "cp_size", cp_size)
     pp = _alias("pipeline_model_parallel_size", pipeline_model_parallel_size, 1, "pp_size", pp_size)
-
-    if expert_model_parallel_size != 1:
-        raise _unsupported(f"expert_model_parallel_size={expert_model_parallel_size} (expert parallelism)")
-    if expert_tensor_parallel_size not in (None, tp):
-        raise _unsupported(f"expert_tensor_parallel_size={expert_tensor_parallel_size} different from tp={tp}")
-    if use_sharp or sharp_enabled_group is not None:
-        raise _unsupported("use_sharp / sharp_enabled_group")
-    if hierarchical_context_parallel_sizes or hybrid_context_parallel:
-        raise _unsupported("hierarchical or hybrid context parallelism")
-    if num_distributed_optimizer_instances != 1:
-        raise _unsupported("num_distributed_optimizer_instances > 1")
-    if get_embedding_ranks is not None or get_position_embedding_ranks is not None or create_all_gather_group:
-        raise _unsupported("embedding groups and the separate all-gather group")
-    if pipeline_model_parallel_comm_backend not in (None, "nccl", "gloo", "ucc"):
-        raise ParallelStateError(
-            f"pipeline_model_parallel_comm_backend={pipeline_model_parallel_comm_backend!r} is not a "
-            f"backend; use None (the default group's), 'nccl', 'gloo' or 'ucc'"
-        )
-    if timeout is None:
-        if isinstance(distributed_timeout_minutes, bool) or not isinstance(distributed_timeout_minutes, (int, float)) \
-                or distributed_timeout_minutes <= 0:
-            raise ParallelStateError(
-                f"distributed_timeout_minutes must be a positive number, got {distributed_timeout_minutes!r}"
-            )
-        timeout = datetime.timedelta(minutes=distributed_timeout_minutes)
-    elif not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
-        raise ParallelStateError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+    check_consistency = a.flag("check_consistency", check_consistency)
+    timeout = a.timeout_of(timeout, distributed_timeout_minutes)
 
     if not (dist.is_available() and dist.is_initialized()):
         raise ParallelStateError(
@@ -145,31 +132,110 @@ def initialize_model_parallel(
             "model-parallel groups are already initialized; call "
             "parallel_state.destroy_model_parallel() before initializing again"
         )
+    if check_consistency:
+        from parallel_state.consistency import check_same_everywhere
+
+        # Compared before any local validation, so a rank with a bad argument is named on every
+        # rank instead of failing alone and leaving the others waiting.
+        check_same_everywhere("initialize_model_parallel", {
+            "tensor_model_parallel_size": tp, "context_parallel_size": cp, "pipeline_model_parallel_size": pp,
+            "order": _comparable_order(order, tp, cp, pp),
+            "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size,
+            "pipeline_model_parallel_comm_backend": pipeline_model_parallel_comm_backend,
+            "create_gloo_process_groups": create_gloo_process_groups,
+        }, timeout=timeout)
+
+    # Each size is named as the caller spelled it.
+    tp = a.positive_int("tp_size" if tp_size is not None else "tensor_model_parallel_size", tp)
+    cp = a.positive_int("cp_size" if cp_size is not None else "context_parallel_size", cp)
+    pp = a.positive_int("pp_size" if pp_size is not None else "pipeline_model_parallel_size", pp)
+    for name, value in (("expert_model_parallel_size", expert_model_parallel_size),
+                        ("num_distributed_optimizer_instances", num_distributed_optimizer_instances)):
+        a.positive_int(name, value)
+    a.optional_positive_int("expert_tensor_parallel_size", expert_tensor_parallel_size)
+    vpp = a.optional_positive_int("virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size)
+    for name, value in (("use_sharp", use_sharp), ("hybrid_context_parallel", hybrid_context_parallel),
+                        ("create_gloo_process_groups", create_gloo_process_groups)):
+        a.flag(name, value)
+    if create_all_gather_group is not None:
+        a.flag("create_all_gather_group", create_all_gather_group)
+    a.optional_str("pipeline_model_parallel_comm_backend", pipeline_model_parallel_comm_backend, "gloo")
+    a.optional_str("sharp_enabled_group", sharp_enabled_group, "dp")
+    a.optional_callable("get_embedding_ranks", get_embedding_ranks)
+    a.optional_callable("get_position_embedding_ranks", get_position_embedding_ranks)
+    high_priority_stream_groups = a.optional_str_list("high_priority_stream_groups", high_priority_stream_groups, "cp")
+    if nccl_communicator_config_path is not None and not isinstance(nccl_communicator_config_path, (str, os.PathLike)):
+        raise ParallelStateTypeError(
+            f"nccl_communicator_config_path must be the path of a YAML file or None, got {nccl_communicator_config_path!r}"
+        )
+    hierarchical = hierarchical_context_parallel_sizes
+    if hierarchical is not None and not isinstance(hierarchical, (list, tuple)):
+        raise ParallelStateTypeError(
+            f"hierarchical_context_parallel_sizes must be a list of ints or None, got {hierarchical!r}"
+        )
+
+    if expert_model_parallel_size != 1:
+        raise _unsupported(f"expert_model_parallel_size={expert_model_parallel_size} (expert parallelism)")
+    if expert_tensor_parallel_size not in (None, tp):
+        raise _unsupported(f"expert_tensor_parallel_size={expert_tensor_parallel_size} different from tp={tp}")
+    if use_sharp or sharp_enabled_group is not None:
+        raise _unsupported("use_sharp / sharp_enabled_group")
+    if hierarchical or hybrid_context_parallel:
+        raise _unsupported("hierarchical or hybrid context parallelism")
+    if num_distributed_optimizer_instances != 1:
+        raise _unsupported("num_distributed_optimizer_instances > 1")
+    if get_embedding_ranks is not None or get_position_embedding_ranks is not None or create_all_gather_group:
+        raise _unsupported("embedding groups and the separate all-gather group")
+    backend = pipeline_model_parallel_comm_backend
+    if backend not in (None, "nccl", "gloo", "ucc"):
+        raise ParallelStateError(
+            f"pipeline_model_parallel_comm_backend={backend!r} is not a backend; use None (the default "
+            f"group's), 'nccl', 'gloo' or 'ucc'"
+        )
+    if backend is not None and not dist.is_backend_available(backend):
+        raise ParallelStateError(
+            f"pipeline_model_parallel_comm_backend={backend!r} is not available in this torch build; "
+            f"use None (the default group's backend) or one this build has"
+        )
+
     plan = TopologyPlan(dist.get_world_size(), tp=tp, cp=cp, pp=pp, order=order)
-    if virtual_pipeline_model_parallel_size is not None and pp <= 1:
+    if vpp is not None and plan.pp <= 1:
         raise ParallelStateError(
             "virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1 "
             "(the interleaved schedule has nothing to interleave otherwise)"
         )
-    if check_consistency:
-        from parallel_state.consistency import check_same_everywhere
+    nccl_options = _nccl_options_factory(nccl_communicator_config_path, high_priority_stream_groups)
+    try:
+        _st.build(plan, timeout=timeout, create_gloo_process_groups=create_gloo_process_groups,
+                  pipeline_backend=backend, nccl_options=nccl_options, virtual_pipeline_size=vpp)
+    except Exception as exc:
+        if check_consistency:  # let the other ranks know, so they undo their part at once
+            _confirm(exc, timeout)
+        raise
+    try:
+        if check_consistency:
+            # Every rank returns only once every rank has built its groups: all or none keep
+            # them, and no rank can destroy a group a peer is still connecting to.
+            _confirm(None, timeout)
+        _bridge_if_megatron_loaded()
+    except BaseException:
+        _st.teardown()  # nothing half-built
+        raise
 
-        check_same_everywhere(
-            "initialize_model_parallel",
-            {"tp": tp, "cp": cp, "pp": pp, "order": plan.order,
-             "virtual_pp": virtual_pipeline_model_parallel_size,
-             "gloo_groups": bool(create_gloo_process_groups)},
-            timeout=timeout,
-        )
-    _st.build(
-        plan,
-        timeout=timeout,
-        create_gloo_process_groups=bool(create_gloo_process_groups),
-        pipeline_backend=pipeline_model_parallel_comm_backend,
-        nccl_options=_nccl_options_factory(nccl_communicator_config_path, high_priority_stream_groups),
-        virtual_pipeline_size=virtual_pipeline_model_parallel_size,
-    )
-    _bridge_if_megatron_loaded()
+
+def _confirm(error: BaseException | None, timeout: datetime.timedelta) -> None:
+    from parallel_state.consistency import confirm_everywhere
+
+    # A peer that fails spends up to one timeout on the group it cannot build: wait for it.
+    confirm_everywhere("initialize_model_parallel group creation", error, timeout=2 * timeout)
+
+
+def _comparable_order(order: Any, tp: Any, cp: Any, pp: Any) -> Any:
+    """``order`` as the layout it means (tokens completed, lower case) when valid, else as given."""
+    try:
+        return TopologyPlan(tp * cp * pp, tp=tp, cp=cp, pp=pp, order=order).order
+    except Exception:
+        return order
 
 
 def _bridge_if_megatron_loaded() -> None:

@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from parallel_state.errors import ParallelStateError
+from parallel_state.arguments import is_int, positive_int
+from parallel_state.errors import ParallelStateError, ParallelStateTypeError
 
 #: Megatron's dimension tokens and its default order.
 DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
@@ -29,7 +30,7 @@ def normalize_order(order: str, sizes: dict[str, int]) -> tuple[str, ...]:
     order (tp, pp, dp, ep, cp), which is only allowed for dimensions of size 1.
     """
     if not isinstance(order, str):
-        raise ParallelStateError(f"order must be a string like {DEFAULT_ORDER!r}, got {order!r}")
+        raise ParallelStateTypeError(f"order must be a string like {DEFAULT_ORDER!r}, got {order!r}")
     tokens = [t.strip() for t in order.lower().split("-")]
     unknown = [t for t in tokens if t not in DIMS]
     if unknown:
@@ -52,14 +53,6 @@ def normalize_order(order: str, sizes: dict[str, int]) -> tuple[str, ...]:
     return tuple(tokens)
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ParallelStateError(f"{name} must be a positive int, got {value!r}")
-    if value < 1:
-        raise ParallelStateError(f"{name} must be >= 1, got {value}")
-    return value
-
-
 @dataclass(frozen=True)
 class TopologyPlan:
     """A validated topology: world size, the size of each dimension and their order.
@@ -78,9 +71,9 @@ class TopologyPlan:
     _stride: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _positive_int("world_size", self.world_size)
+        object.__setattr__(self, "world_size", positive_int("world_size", self.world_size))
         for name in ("tp", "cp", "pp", "ep"):
-            _positive_int(f"{name} size", getattr(self, name))
+            object.__setattr__(self, name, positive_int(f"{name} size", getattr(self, name)))
         model = self.tp * self.cp * self.pp * self.ep
         if self.world_size % model:
             raise ParallelStateError(
@@ -109,17 +102,24 @@ class TopologyPlan:
 
     def size(self, dim: str) -> int:
         """Size of one dimension."""
+        if dim not in DIMS:
+            raise ParallelStateError(f"unknown dimension {dim!r}; use one of {list(DIMS)}")
         return getattr(self, dim)
 
     def _kind_dims(self, kind: str) -> list[str]:
+        if not isinstance(kind, str):
+            raise ParallelStateTypeError(f"a group kind is a str such as 'tp-cp', got {kind!r}")
         wanted = kind.split("-")
-        bad = [t for t in wanted if t not in DIMS]
-        if bad:
-            raise ParallelStateError(f"unknown group kind {kind!r}; use tokens from {list(DIMS)}")
+        if any(t not in DIMS for t in wanted) or len(set(wanted)) != len(wanted):
+            raise ParallelStateError(
+                f"unknown group kind {kind!r}; name each dimension once, with tokens from {list(DIMS)}, e.g. 'tp-cp'"
+            )
         # Group members are enumerated with the dimensions in layout order.
         return [d for d in self.dims if d in wanted]
 
     def _check_rank(self, rank: int) -> None:
+        if not is_int(rank):
+            raise ParallelStateTypeError(f"a rank is an int in [0, {self.world_size}), got {rank!r}")
         if not 0 <= rank < self.world_size:
             raise ParallelStateError(f"rank {rank} is outside the world of {self.world_size} ranks")
 

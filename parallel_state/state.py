@@ -62,6 +62,10 @@ def peek() -> ParallelState | None:
 
 def register_teardown_hook(hook: Callable[[], None]) -> None:
     """Run ``hook`` on every destroy_model_parallel(); packages built on this one free their state there."""
+    if not callable(hook):
+        from parallel_state.errors import ParallelStateTypeError
+
+        raise ParallelStateTypeError(f"register_teardown_hook needs a callable taking no arguments, got {hook!r}")
     if hook not in _teardown_hooks:
         _teardown_hooks.append(hook)
 
@@ -90,7 +94,12 @@ def build(
     state = ParallelState(plan=plan, rank=rank, timeout=timeout,
                           virtual_pipeline_size=virtual_pipeline_size,
                           virtual_pipeline_rank=0 if virtual_pipeline_size is not None else None)
-    batch = GroupBatch(timeout=timeout)
+    # The counter span depends on the plan only, so it is the same on every rank even when
+    # this build fails part-way on some of them.
+    reserve = sum(plan.num_groups(k) for k in KINDS)
+    if create_gloo_process_groups:
+        reserve += sum(plan.num_groups(k) for k in GLOO_KINDS)
+    batch = GroupBatch(timeout=timeout, reserve=reserve)
     try:
         for kind in KINDS:
             # Kinds whose groups hold the same ranks (a dimension of size 1) share one group.
@@ -122,7 +131,10 @@ def build(
                         backend="gloo", desc=f"{kind}-gloo",
                     )
     except BaseException:
-        destroy_groups(batch.created)
+        try:
+            destroy_groups(batch.created)
+        except Exception:  # the build's own error is the one to report
+            pass
         batch.close()
         raise
     batch.close()
