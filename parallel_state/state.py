@@ -131,6 +131,8 @@ def build(
                         backend="gloo", desc=f"{kind}-gloo",
                     )
     except BaseException:
+        state.groups.clear()  # hand every reference to destroy_groups, which frees the groups
+        state.gloo_groups.clear()
         try:
             destroy_groups(batch.created)
         except Exception:  # the build's own error is the one to report
@@ -160,6 +162,10 @@ def teardown() -> None:
     if pkg is not None and "cp_size_t" in vars(pkg):
         delattr(pkg, "cp_size_t")
     if state is not None:
-        destroy_groups(state.owned)
+        owned, state.owned = state.owned, []
+        state.groups.clear()  # hand every reference to destroy_groups, which frees the groups
+        state.gloo_groups.clear()
+        del state
+        destroy_groups(owned)
     if errors:
         raise errors[0]

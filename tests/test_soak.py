@@ -42,6 +42,12 @@ def case_soak(cycles):
     import torch
     import torch.distributed as dist
 
+    # torch records every collective in a process-wide ring of 2000 entries (its flight
+    # recorder), which grows resident memory until full: fill it first, so that what is
+    # measured below is what the cycles themselves keep.
+    t = torch.ones(1)
+    for _ in range(2100):
+        dist.all_reduce(t)
     gc.collect()
     baseline = _registry()
     fds, rss, live, collectives = [], [], [], 0
@@ -73,12 +79,15 @@ def test_two_hundred_cycles_stay_flat(pools):
     for rank, r in enumerate(results):
         fds, rss = r["fds"], r["rss"]
         print(f"{rank:>4}  {r['seconds']:7.1f}  {r['collectives']:>11}  {min(r['live'])}-{max(r['live']):<10}  "
-              f"{fds[0]}, {fds[WARMUP - 1]}, {fds[-1]:<21}  {rss[WARMUP - 1]}, {rss[-1]}; {max(rss[WARMUP - 1:])}")
+              f"{fds[0]}, {fds[WARMUP - 1]}, {fds[-1]:<21}  {rss[WARMUP - 1]}, {rss[-1]}; {max(rss[WARMUP - 1:])}  "
+              f"({(rss[-1] - rss[WARMUP - 1]) / (CYCLES - WARMUP):.1f} KiB/cycle)")
     for rank, r in enumerate(results):
         fds, rss = r["fds"], r["rss"]
         # File descriptors: exactly flat once warm (a leaked socket per cycle would add 180).
         assert max(fds[WARMUP - 1:]) - min(fds[WARMUP - 1:]) <= 2, (rank, fds)
-        # Resident memory: a leak of even 20 KiB per cycle would add 3.5 MiB over 180 cycles.
-        assert rss[-1] - rss[WARMUP - 1] < 3 * 1024, (rank, rss[WARMUP - 1], rss[-1])
-        assert max(rss[WARMUP - 1:]) - rss[WARMUP - 1] < 6 * 1024, (rank, max(rss))
+        # Resident memory: torch itself keeps a little per group name it has seen (its FileStore
+        # caches every rendezvous key, its flight recorder the ranks of every group): about
+        # 5 KiB a cycle here, ~1 MiB over 180 cycles. A leak of 6 KiB a cycle more would fail.
+        assert rss[-1] - rss[WARMUP - 1] < 2 * 1024, (rank, rss[WARMUP - 1], rss[-1])
+        assert max(rss[WARMUP - 1:]) - rss[WARMUP - 1] < 2.5 * 1024, (rank, max(rss))
         assert r["collectives"] >= 2 * CYCLES
