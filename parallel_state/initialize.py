@@ -145,71 +145,28 @@ def initialize_model_parallel(
             "create_gloo_process_groups": create_gloo_process_groups,
         }, timeout=timeout)
 
-    # Each size is named as the caller spelled it.
-    tp = a.positive_int("tp_size" if tp_size is not None else "tensor_model_parallel_size", tp)
-    cp = a.positive_int("cp_size" if cp_size is not None else "context_parallel_size", cp)
-    pp = a.positive_int("pp_size" if pp_size is not None else "pipeline_model_parallel_size", pp)
-    for name, value in (("expert_model_parallel_size", expert_model_parallel_size),
-                        ("num_distributed_optimizer_instances", num_distributed_optimizer_instances)):
-        a.positive_int(name, value)
-    a.optional_positive_int("expert_tensor_parallel_size", expert_tensor_parallel_size)
-    vpp = a.optional_positive_int("virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size)
-    for name, value in (("use_sharp", use_sharp), ("hybrid_context_parallel", hybrid_context_parallel),
-                        ("create_gloo_process_groups", create_gloo_process_groups)):
-        a.flag(name, value)
-    if create_all_gather_group is not None:
-        a.flag("create_all_gather_group", create_all_gather_group)
-    a.optional_str("pipeline_model_parallel_comm_backend", pipeline_model_parallel_comm_backend, "gloo")
-    a.optional_str("sharp_enabled_group", sharp_enabled_group, "dp")
-    a.optional_callable("get_embedding_ranks", get_embedding_ranks)
-    a.optional_callable("get_position_embedding_ranks", get_position_embedding_ranks)
-    high_priority_stream_groups = a.optional_str_list("high_priority_stream_groups", high_priority_stream_groups, "cp")
-    if nccl_communicator_config_path is not None and not isinstance(nccl_communicator_config_path, (str, os.PathLike)):
-        raise ParallelStateTypeError(
-            f"nccl_communicator_config_path must be the path of a YAML file or None, got {nccl_communicator_config_path!r}"
-        )
-    hierarchical = hierarchical_context_parallel_sizes
-    if hierarchical is not None and not isinstance(hierarchical, (list, tuple)):
-        raise ParallelStateTypeError(
-            f"hierarchical_context_parallel_sizes must be a list of ints or None, got {hierarchical!r}"
-        )
-
-    if expert_model_parallel_size != 1:
-        raise _unsupported(f"expert_model_parallel_size={expert_model_parallel_size} (expert parallelism)")
-    if expert_tensor_parallel_size not in (None, tp):
-        raise _unsupported(f"expert_tensor_parallel_size={expert_tensor_parallel_size} different from tp={tp}")
-    if use_sharp or sharp_enabled_group is not None:
-        raise _unsupported("use_sharp / sharp_enabled_group")
-    if hierarchical or hybrid_context_parallel:
-        raise _unsupported("hierarchical or hybrid context parallelism")
-    if num_distributed_optimizer_instances != 1:
-        raise _unsupported("num_distributed_optimizer_instances > 1")
-    if get_embedding_ranks is not None or get_position_embedding_ranks is not None or create_all_gather_group:
-        raise _unsupported("embedding groups and the separate all-gather group")
-    backend = pipeline_model_parallel_comm_backend
-    if backend not in (None, "nccl", "gloo", "ucc"):
-        raise ParallelStateError(
-            f"pipeline_model_parallel_comm_backend={backend!r} is not a backend; use None (the default "
-            f"group's), 'nccl', 'gloo' or 'ucc'"
-        )
-    if backend is not None and not dist.is_backend_available(backend):
-        raise ParallelStateError(
-            f"pipeline_model_parallel_comm_backend={backend!r} is not available in this torch build; "
-            f"use None (the default group's backend) or one this build has"
-        )
-
-    plan = TopologyPlan(dist.get_world_size(), tp=tp, cp=cp, pp=pp, order=order)
-    if vpp is not None and plan.pp <= 1:
-        raise ParallelStateError(
-            "virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1 "
-            "(the interleaved schedule has nothing to interleave otherwise)"
-        )
-    nccl_options = _nccl_options_factory(nccl_communicator_config_path, high_priority_stream_groups)
     try:
+        plan, vpp, backend, nccl_options = _validated(
+            dist.get_world_size(), tp, cp, pp, spelled={"tp": tp_size, "cp": cp_size, "pp": pp_size}, order=order,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+            pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend, use_sharp=use_sharp,
+            hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+            hybrid_context_parallel=hybrid_context_parallel, expert_model_parallel_size=expert_model_parallel_size,
+            num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
+            nccl_communicator_config_path=nccl_communicator_config_path, get_embedding_ranks=get_embedding_ranks,
+            get_position_embedding_ranks=get_position_embedding_ranks,
+            create_gloo_process_groups=create_gloo_process_groups,
+            high_priority_stream_groups=high_priority_stream_groups, sharp_enabled_group=sharp_enabled_group,
+            create_all_gather_group=create_all_gather_group,
+        )
         _st.build(plan, timeout=timeout, create_gloo_process_groups=create_gloo_process_groups,
                   pipeline_backend=backend, nccl_options=nccl_options, virtual_pipeline_size=vpp)
     except Exception as exc:
-        if check_consistency:  # let the other ranks know, so they undo their part at once
+        # Ranks that agreed on the arguments fail alike here, unless their environments
+        # differ (a missing file, a backend one node lacks): either way, tell the others, so
+        # that none waits for a rank that has given up.
+        if check_consistency:
             _confirm(exc, timeout)
         raise
     try:
@@ -221,6 +178,72 @@ def initialize_model_parallel(
     except BaseException:
         _st.teardown()  # nothing half-built
         raise
+
+
+def _validated(world: int, tp: Any, cp: Any, pp: Any, *, spelled: dict[str, Any], **kw: Any) -> tuple[Any, ...]:
+    """Check every argument's type and value; the plan, vpp, pipeline backend and NCCL options."""
+    from parallel_state import arguments as a
+
+    # Each size is named as the caller spelled it.
+    tp = a.positive_int("tp_size" if spelled["tp"] is not None else "tensor_model_parallel_size", tp)
+    cp = a.positive_int("cp_size" if spelled["cp"] is not None else "context_parallel_size", cp)
+    pp = a.positive_int("pp_size" if spelled["pp"] is not None else "pipeline_model_parallel_size", pp)
+    ep = a.positive_int("expert_model_parallel_size", kw["expert_model_parallel_size"])
+    instances = a.positive_int("num_distributed_optimizer_instances", kw["num_distributed_optimizer_instances"])
+    etp = a.optional_positive_int("expert_tensor_parallel_size", kw["expert_tensor_parallel_size"])
+    vpp = a.optional_positive_int("virtual_pipeline_model_parallel_size", kw["virtual_pipeline_model_parallel_size"])
+    for name in ("use_sharp", "hybrid_context_parallel", "create_gloo_process_groups"):
+        a.flag(name, kw[name])
+    if kw["create_all_gather_group"] is not None:  # Megatron's type is Optional[bool]
+        a.flag("create_all_gather_group", kw["create_all_gather_group"])
+    backend = a.optional_str("pipeline_model_parallel_comm_backend", kw["pipeline_model_parallel_comm_backend"], "gloo")
+    a.optional_str("sharp_enabled_group", kw["sharp_enabled_group"], "dp")
+    for name in ("get_embedding_ranks", "get_position_embedding_ranks"):
+        a.optional_callable(name, kw[name])
+    priority = a.optional_str_list("high_priority_stream_groups", kw["high_priority_stream_groups"], "cp")
+    config_path = kw["nccl_communicator_config_path"]
+    if config_path is not None and not isinstance(config_path, (str, os.PathLike)):
+        raise ParallelStateTypeError(
+            f"nccl_communicator_config_path must be the path of a YAML file or None, got {config_path!r}"
+        )
+    hierarchical = kw["hierarchical_context_parallel_sizes"]
+    if hierarchical is not None and not isinstance(hierarchical, (list, tuple)):
+        raise ParallelStateTypeError(
+            f"hierarchical_context_parallel_sizes must be a list of ints or None, got {hierarchical!r}"
+        )
+
+    if ep != 1:
+        raise _unsupported(f"expert_model_parallel_size={ep} (expert parallelism)")
+    if etp not in (None, tp):
+        raise _unsupported(f"expert_tensor_parallel_size={etp} different from tp={tp}")
+    if kw["use_sharp"] or kw["sharp_enabled_group"] is not None:
+        raise _unsupported("use_sharp / sharp_enabled_group")
+    if hierarchical or kw["hybrid_context_parallel"]:
+        raise _unsupported("hierarchical or hybrid context parallelism")
+    if instances != 1:
+        raise _unsupported("num_distributed_optimizer_instances > 1")
+    if kw["get_embedding_ranks"] is not None or kw["get_position_embedding_ranks"] is not None \
+            or kw["create_all_gather_group"]:
+        raise _unsupported("embedding groups and the separate all-gather group")
+    if backend not in (None, "nccl", "gloo", "ucc"):
+        raise ParallelStateError(
+            f"pipeline_model_parallel_comm_backend={backend!r} is not a backend; use None (the default "
+            f"group's), 'nccl', 'gloo' or 'ucc'"
+        )
+    import torch.distributed as dist
+
+    if backend is not None and not dist.is_backend_available(backend):
+        raise ParallelStateError(
+            f"pipeline_model_parallel_comm_backend={backend!r} is not available in this torch build; "
+            f"use None (the default group's backend) or one this build has"
+        )
+    plan = TopologyPlan(world, tp=tp, cp=cp, pp=pp, order=kw["order"])
+    if vpp is not None and plan.pp <= 1:
+        raise ParallelStateError(
+            "virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1 "
+            "(the interleaved schedule has nothing to interleave otherwise)"
+        )
+    return plan, vpp, backend, _nccl_options_factory(config_path, priority)
 
 
 def _confirm(error: BaseException | None, timeout: datetime.timedelta) -> None:
