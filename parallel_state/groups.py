@@ -163,9 +163,16 @@ def _free_in_parallel(groups: list[Any]) -> None:
         return
     boxes = [[g] for g in groups]
     groups.clear()
-    threads = [threading.Thread(target=box.clear, name="parallel_state-free-group", daemon=True) for box in boxes]
-    del boxes
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    threads = []
+    while boxes:
+        box = boxes.pop()
+        thread = threading.Thread(target=box.clear, name="parallel_state-free-group", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no new threads (interpreter shutdown): free it here
+            box.clear()
+            continue
+        threads.append(thread)
+    del box
+    for thread in threads:
+        thread.join()

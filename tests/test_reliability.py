@@ -167,21 +167,24 @@ def test_the_check_is_reusable_by_name_and_dict(pools):
     assert results[0][2] == [31]
 
 
-def case_check_off(tag):
+def case_check_off():
     import torch.distributed as dist
 
-    key = f"parallel_state/same_everywhere/initialize_model_parallel/calls/{dist.get_rank()}"
+    keys = [f"parallel_state/same_everywhere/initialize_model_parallel{what}/calls/{dist.get_rank()}"
+            for what in ("", " group creation")]
     store = _store()
-    before = store.add(key, 0)
+    before = [store.add(k, 0) for k in keys]
     ps.initialize_model_parallel(cp_size=2, pp_size=2, timeout=SECONDS, check_consistency=False)
-    off = store.add(key, 0)
+    off = [store.add(k, 0) for k in keys]
+    dist.barrier()  # without the closing round, the caller synchronizes before destroying
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(cp_size=2, pp_size=2, timeout=SECONDS)
-    return off - before, store.add(key, 0) - off
+    on = [store.add(k, 0) for k in keys]
+    return [b - a for a, b in zip(before, off, strict=True)], [b - a for a, b in zip(off, on, strict=True)]
 
 
-def test_check_consistency_false_skips_the_round(pools):
-    assert pools(4).run(case_check_off, "off") == [(0, 1)] * 4
+def test_check_consistency_false_skips_both_rounds(pools):
+    assert pools(4).run(case_check_off) == [([0, 0], [1, 1])] * 4
 
 
 def test_rank_lists_stay_short():
