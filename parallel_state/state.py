@@ -121,6 +121,7 @@ def build(
                         count=plan.num_groups(kind), all_groups=lambda kind=kind: plan.groups(kind),
                         backend="gloo", desc=f"{kind}-gloo",
                     )
+        batch.wait_for_members()
     except BaseException:
         destroy_groups(batch.created)
         batch.close()
