@@ -200,3 +200,55 @@ def test_real_process_plan_json():
     proc = _subprocess("plan", "--world-size", "4", "--cp", "2", "--pp", "2", "--json")
     assert proc.returncode == 0 and proc.stderr == ""
     assert json.loads(proc.stdout)["groups"]["cp"] == [[0, 1], [2, 3]]
+
+
+SPLITS = [  # world size, cp, --video-shape, extra flags, per-rank [T', H', W], cp_size_t
+    (4, 2, "1,16,24,88,160", [], [12, 88, 160], 2),
+    (8, 8, "1,16,4,88,160", [], [1, 44, 160], 4),                       # temporal 4 x height 2
+    (8, 8, "1,16,24,88,160", ["--patch", "2,2,2"], [6, 44, 160], 4),    # gcd(24 // 2, 8) = 4
+    (4, 4, "1,16,8,88,160", ["--view-factor", "2"], [1, 88, 160], 4),  # (8 // 2) / 4
+]
+
+
+@pytest.mark.parametrize("ws,cp,shape,extra,per_rank,cp_t", SPLITS)
+def test_plan_video_split(capsys, ws, cp, shape, extra, per_rank, cp_t):
+    argv = _argv(ws, 1, cp, 1, None, "--video-shape", shape, *extra)
+    code, out, err = _run(capsys, argv + ["--json"])
+    assert code == 0 and err == ""
+    assert json.loads(out)["split"] == {"shape": per_rank, "cp_size_t": cp_t}
+    assert "cp_size_t" not in vars(ps)  # planning leaves nothing behind
+    code, out, _ = _run(capsys, argv)
+    assert code == 0
+    assert f"find_split -> per-rank shape [T', H', W] = {per_rank}" in out
+    assert f"cp_size_t = {cp_t} (temporal split {cp_t} x height split {cp // cp_t}" in out
+
+
+def test_plan_unsplittable_latent_reports_reason_and_working_cp_sizes(capsys):
+    # T = 3 and H / 2 = 45 are odd: cp 2 would have to split the width; cp 3 splits T.
+    argv = _argv(6, 1, 2, 1, None, "--video-shape", "1,16,3,90,160")
+    code, out, err = _run(capsys, argv + ["--json"])
+    assert code == 1 and err == ""
+    got = json.loads(out)
+    assert got["split"] is None
+    assert got["split_error"]["suggested_cp_sizes"] == [1, 3]
+    assert "width" in got["split_error"]["message"]
+    code, out, _ = _run(capsys, argv)
+    assert code == 1
+    assert "cannot be split: " in out
+    assert "cp sizes that split this latent and fit this world size, tp and pp: 1, 3" in out
+    assert "cp_size_t" not in vars(ps)
+
+
+def test_plan_latent_invalid_for_every_cp_is_a_usage_error(capsys):
+    code, out, err = _run(capsys, _argv(4, 1, 2, 2, None, "--video-shape", "1,16,24,88,160", "--view-factor", "5"))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "--video-shape 1,16,24,88,160: " in err and "5" in err
+
+
+def test_plan_keeps_an_existing_cp_size_t(capsys):
+    ps.cp_size_t = 7  # as if a model in this process had planned already
+    try:
+        assert cli.main(_argv(4, 1, 2, 2, None, "--video-shape", "1,16,24,88,160", "--json")) == 0
+        assert ps.cp_size_t == 7
+    finally:
+        del ps.cp_size_t
