@@ -50,7 +50,7 @@ def render_svg(plan: TopologyPlan, split: SplitReport | None = None) -> str:
     stage_h = lines_per_stage * block_h + (lines_per_stage - 1) * BLOCK_GAP
     content_w = LABEL_W + per_line * block_w + (per_line - 1) * BLOCK_GAP
     header_h = 62
-    footer_h = 30 if split is not None else 8
+    footer_h = 48 if split is not None else 8
     width = max(2 * MARGIN + content_w, 620)
     height = 2 * MARGIN + header_h + pp * stage_h + (pp - 1) * STAGE_GAP + footer_h
 
@@ -58,8 +58,8 @@ def render_svg(plan: TopologyPlan, split: SplitReport | None = None) -> str:
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif">',
         f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>',
-        _text(MARGIN, MARGIN + 16, f"{plan.world_size} ranks · tp {tp} · cp {cp} · pp {pp} · dp {dp} · "
-              f"order {plan.order}", size=16, weight="bold", anchor="start"),
+        _text(MARGIN, MARGIN + 16, f"{plan.world_size} rank{'s' * (plan.world_size != 1)} · tp {tp} · cp {cp} · "
+              f"pp {pp} · dp {dp} · order {plan.order}", size=16, weight="bold", anchor="start"),
         _text(MARGIN, MARGIN + 36, "One box per rank · rows of blocks = pipeline stages (activations flow down)",
               size=12, fill="#444", anchor="start"),
         _text(MARGIN, MARGIN + 52, "Colour + outline = context-parallel group · block = data-parallel replica "
@@ -98,12 +98,13 @@ def render_svg(plan: TopologyPlan, split: SplitReport | None = None) -> str:
     if split is not None:
         if split.ok:
             t_, h_, w_ = split.per_rank or (0, 0, 0)
-            note = (f"Latent {list(split.shape)} -> per-rank [T', H', W] = [{t_}, {h_}, {w_}], "
-                    f"cp_size_t = {split.cp_size_t} (height split {split.cp_size_h})")
+            notes = [f"Latent {list(split.shape)} -> per rank [T', H', W] = [{t_}, {h_}, {w_}]",
+                     f"cp_size_t = {split.cp_size_t} (temporal split {split.cp_size_t} x height split {split.cp_size_h})"]
         else:
-            note = (f"Latent {list(split.shape)} cannot be split with cp {split.cp_size}; cp sizes that can: "
-                    f"{', '.join(map(str, split.suggested_cp_sizes)) or 'none'}")
-        out.append(_text(MARGIN, height - MARGIN - 4, note, size=13, anchor="start"))
+            notes = [f"Latent {list(split.shape)} cannot be split with cp {split.cp_size}",
+                     f"cp sizes that can: {', '.join(map(str, split.suggested_cp_sizes)) or 'none'}"]
+        for i, note in enumerate(notes):
+            out.append(_text(MARGIN, height - MARGIN - 22 + 18 * i, note, size=13, anchor="start"))
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
