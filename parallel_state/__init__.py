@@ -2,7 +2,8 @@
 
 Mirrors ``megatron.core.parallel_state``: the same names, arguments, defaults and rank layout.
 The pieces: ``plan`` (pure topology arithmetic), ``state`` (the one live state object and its
-lifecycle), ``groups`` (members-only group creation), ``accessors`` (Megatron's getters).
+lifecycle), ``groups`` (members-only group creation), ``accessors`` (Megatron's getters),
+``split`` (``find_split`` and ``cp_size_t``).
 """
 
 from parallel_state.accessors import (  # noqa: F401  (re-exported API)
@@ -66,4 +67,5 @@ from parallel_state.accessors import (  # noqa: F401  (re-exported API)
 from parallel_state.errors import ParallelStateError, ParallelStateWarning  # noqa: F401
 from parallel_state.initialize import destroy_model_parallel, initialize_model_parallel  # noqa: F401
 from parallel_state.plan import DEFAULT_ORDER, TopologyPlan  # noqa: F401
+from parallel_state.split import find_split  # noqa: F401
 from parallel_state.state import register_teardown_hook  # noqa: F401
