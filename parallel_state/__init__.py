@@ -3,7 +3,7 @@
 Mirrors ``megatron.core.parallel_state``: the same names, arguments, defaults and rank layout.
 The pieces: ``plan`` (pure topology arithmetic), ``state`` (the one live state object and its
 lifecycle), ``groups`` (members-only group creation), ``accessors`` (Megatron's getters),
-``split`` (``find_split`` and ``cp_size_t``).
+``split`` (``find_split`` and ``cp_size_t``), ``bridge`` (megatron-core reads our groups).
 """
 
 from parallel_state.accessors import (  # noqa: F401  (re-exported API)
@@ -64,6 +64,7 @@ from parallel_state.accessors import (  # noqa: F401  (re-exported API)
     set_virtual_pipeline_model_parallel_rank,
     set_virtual_pipeline_model_parallel_world_size,
 )
+from parallel_state.bridge import bridge_megatron  # noqa: F401
 from parallel_state.errors import ParallelStateError, ParallelStateWarning  # noqa: F401
 from parallel_state.initialize import destroy_model_parallel, initialize_model_parallel  # noqa: F401
 from parallel_state.plan import DEFAULT_ORDER, TopologyPlan  # noqa: F401
