@@ -90,9 +90,10 @@ class DistributedManager:
     def initialize(cls, backend: str | None = None, timeout: datetime.timedelta | None = None) -> None:
         """Detect the launcher and set up this process; a second call warns and changes nothing.
 
-        ``backend`` defaults to NCCL when CUDA and NCCL are available, else gloo; ``timeout``
-        defaults to torch's. Raises ParallelStateError for an incomplete launcher environment,
-        NCCL without CUDA, or a launcher that disagrees with an initialized ``torch.distributed``.
+        ``backend`` (used only to start a multi-process launch) defaults to NCCL when CUDA and
+        NCCL are available, else gloo; ``timeout`` defaults to torch's. Raises ParallelStateError
+        for an incomplete launcher environment, NCCL without CUDA, or a launcher that disagrees
+        with an initialized ``torch.distributed``.
         """
         if cls.is_initialized():
             warnings.warn("DistributedManager is already initialized; call cleanup() first to start over",
@@ -119,7 +120,8 @@ class DistributedManager:
             backend = str(dist.get_backend())
             distributed = True
         elif info.launcher == "single":
-            rank, world, local_rank, distributed = 0, 1, 0, False
+            # No process group, so no backend: the device is wherever this process computes.
+            rank, world, local_rank, distributed, backend = 0, 1, 0, False, None
         else:
             rank, world, local_rank, distributed = info.rank, info.world_size, info.local_rank, True
             if backend is None:

@@ -21,9 +21,9 @@ from parallel_state.resolve import dist_ready
 #: The rank order MAGI-1 asks for: context-parallel ranks adjacent, pipeline stages outside them.
 DIST_INIT_ORDER = "tp-cp-pp-dp"
 
-#: Defaults for the keyword form, as in MAGI-1's engine config.
+#: Defaults for the keyword form: NCCL, and megatron-core's 30-minute group timeout.
 _DEFAULTS: dict[str, Any] = {
-    "distributed_backend": "nccl", "distributed_timeout_minutes": 15, "cp_size": 1, "pp_size": 1,
+    "distributed_backend": "nccl", "distributed_timeout_minutes": 30, "cp_size": 1, "pp_size": 1,
 }
 
 _dist_init_hooks: list[Callable[[], None]] = []
@@ -121,7 +121,7 @@ def dist_init(
     """Initialize torch.distributed and the model-parallel groups for a cp x pp inference job.
 
     ``config.engine_config`` (MAGI-1's shape) or the keywords give the backend, the timeout in
-    minutes, ``cp_size`` and ``pp_size`` (keyword defaults: nccl, 15, 1, 1); ``timeout`` (a
+    minutes, ``cp_size`` and ``pp_size`` (keyword defaults: nccl, 30, 1, 1); ``timeout`` (a
     timedelta) overrides the minutes. The rank and world come from the launcher (see
     ``DistributedManager``). Starts torch.distributed unless it is running (binding the local
     CUDA device for NCCL), checks ``cp_size * pp_size == world_size``, builds the groups with

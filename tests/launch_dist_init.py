@@ -57,6 +57,12 @@ def pipeline_round(tag: int) -> scheduler.PPScheduler:
     return sched
 
 
+def default_group_timeout() -> datetime.timedelta:
+    """The timeout the default (gloo) process group was started with."""
+    group = dist.distributed_c10d._get_default_group()
+    return group._get_backend(torch.device("cpu")).options._timeout
+
+
 def check_layout(cp: int, pp: int) -> None:
     plan = TopologyPlan(dist.get_world_size(), cp=cp, pp=pp, order="tp-cp-pp-dp")
     rank = dist.get_rank()
@@ -72,6 +78,7 @@ def single() -> int:
         distributed_backend="gloo", distributed_timeout_minutes=1, cp_size=2, pp_size=2))
     ps.dist_init(config)
     assert dist.is_initialized() and dist.get_backend() == "gloo"
+    assert default_group_timeout() == datetime.timedelta(minutes=1)  # the config's timeout
     assert (ps.resolve_global_rank(), ps.resolve_world_size()) == (rank, world)  # from torch.distributed
     assert ps.collective_device() == torch.device("cpu")
     assert ps.is_last_rank() == (rank == world - 1)
@@ -111,7 +118,8 @@ def nodes() -> int:
     manager = ps.DistributedManager()
     assert dist.is_initialized() and manager.distributed and manager.launch.launcher == "torchrun"
     assert (manager.rank, manager.local_rank, manager.world_size) == (rank, local, 4)
-    assert manager.device == torch.device("cpu") and not manager.cuda
+    assert manager.device == ps.collective_device() == torch.device("cpu") and not manager.cuda
+    assert default_group_timeout() == TIMEOUT
     assert (ps.resolve_global_rank(), ps.resolve_world_size()) == (rank, 4)
     ps.dist_init(distributed_backend="gloo", cp_size=2, pp_size=2, timeout=TIMEOUT)
     check_layout(2, 2)
