@@ -5,11 +5,12 @@ index in the group is i. ``cat_outputs_cp(split_inputs_cp(x, d, g), d, g)`` equa
 
 How the gather stays cheap: view the result as ``[pre, n, shard]`` (``pre`` = product of the dims
 before ``seq_dim``). The n shards land in n contiguous slots; when ``pre == 1`` (``seq_dim`` is the
-leading non-trivial dim) those slots are the result itself and nothing is copied at all, else one
-strided copy puts them in place. With gloo each slot is filled by its owner's broadcast straight
-into the slot (gloo's all-gather goes through a fresh flat buffer and copies out of it), and this
-rank's own slot is copied while the others are in flight. Other backends (NCCL) all-gather into one
-buffer.
+leading non-trivial dim) those slots are the result itself and only the transfer writes it, else
+one strided copy puts them in place. With gloo and results of 128 KiB or more, each slot is filled
+by its owner's broadcast straight into the slot (gloo's all-gather receives into a fresh flat buffer
+and copies out of it), and this rank's own slot is copied while the others are in flight. Otherwise
+(NCCL, or small tensors where n round trips cost more than copies) one all-gather fills one buffer.
+On CPU the receive buffer is reused across calls; the result is always a new tensor.
 """
 
 from __future__ import annotations
@@ -133,10 +134,23 @@ def cat_outputs_cp_with_grad(x: torch.Tensor, seq_dim: int, cp_group: Any = None
     return _GatherKeepLocalGrad.apply(x, dim, cp_group, n)
 
 
+#: Below this many bytes of result, gloo gathers with one all-gather: n broadcasts cost n round trips,
+#: which small tensors feel more than gloo's extra copies (measured crossover on 2 ranks: 64-256 KiB).
+GLOO_BROADCAST_MIN_BYTES = 128 * 1024
+STRATEGIES = ("broadcasts", "all_gather")
+
+
+def _buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Scratch bytes for receiving: the reused workspace on CPU, a fresh (cached-allocator) block elsewhere."""
+    if device.type == "cpu":
+        return workspace(nbytes, device)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
 def _gather_cat(x: torch.Tensor, dim: int, group: Any, n: int, strategy: str | None = None) -> torch.Tensor:
     """The gather itself; call without autograd recording.
 
-    ``strategy`` ("broadcasts" or "all_gather") overrides the choice by backend, for tests.
+    ``strategy`` (one of STRATEGIES) overrides the choice by backend and size, for tests.
     """
     shape = tuple(x.shape)
     out = torch.empty(shape[:dim] + (n * shape[dim],) + shape[dim + 1:], dtype=x.dtype, device=x.device)
@@ -146,20 +160,24 @@ def _gather_cat(x: torch.Tensor, dim: int, group: Any, n: int, strategy: str | N
     pre = math.prod(shape[:dim])
     shard = x.numel() // pre
     out_slots = out.view(pre, n, shard)  # [:, i] is rank i's shard in place
-    rank = group.rank()
     if strategy is None:
-        strategy = "broadcasts" if backend_for(group, x.device.type) == "gloo" else "all_gather"
+        if backend_for(group, x.device.type) != "gloo":
+            strategy = "all_gather"
+        elif out.numel() * out.element_size() < GLOO_BROADCAST_MIN_BYTES:
+            strategy = "all_gather"
+        else:
+            strategy = "broadcasts"
     if strategy == "broadcasts":
-        _gather_by_broadcasts(x, out_slots, pre, shard, group, n, rank)
+        _gather_by_broadcasts(x, out_slots, pre, shard, group, n, group.rank())
         return out
-    if pre == 1:
-        all_gather_into(as_bytes(out), as_bytes(x), group)
-        return out
-    nbytes = n * x.numel() * x.element_size()
-    buf = workspace(nbytes, x.device) if x.device.type == "cpu" else torch.empty(nbytes, dtype=torch.uint8,
-                                                                                   device=x.device)
-    all_gather_into(buf, as_bytes(x), group)
-    out_slots.copy_(buf.view(x.dtype).view(n, pre, shard).transpose(0, 1))
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown gather strategy {strategy!r}; expected one of {STRATEGIES}")
+    # One all-gather into n contiguous slots: the result itself when pre == 1, else a scratch buffer.
+    slots = out_slots[0] if pre == 1 else _buffer(out.numel() * out.element_size(), x.device).view(
+        x.dtype).view(n, pre * shard)
+    all_gather_into(as_bytes(slots), as_bytes(x), group)
+    if pre != 1:
+        out_slots.copy_(slots.view(n, pre, shard).transpose(0, 1))
     return out
 
 
@@ -169,10 +187,7 @@ def _gather_by_broadcasts(x: torch.Tensor, out_slots: torch.Tensor, pre: int, sh
     if pre == 1:
         recv = {i: out_slots[0, i] for i in range(n) if i != rank}  # contiguous: receive in place
     else:
-        nbytes = (n - 1) * x.numel() * x.element_size()
-        buf = workspace(nbytes, x.device) if x.device.type == "cpu" else torch.empty(
-            nbytes, dtype=torch.uint8, device=x.device)
-        slots = buf.view(x.dtype).view(n - 1, pre * shard)
+        slots = _buffer((n - 1) * x.numel() * x.element_size(), x.device).view(x.dtype).view(n - 1, pre * shard)
         recv = {i: slots[i - (i > rank)] for i in range(n) if i != rank}
     ranks = global_ranks(group)
     # Same order on every rank, so the k-th broadcast of each rank is the same collective.

@@ -71,7 +71,8 @@ def _cases(n):
     latent = _data((2, 3, 8, 4, 12), seed=1)                      # [B, C, T, H, W]
     batch1 = _data((1, 4, 8, 6, 10), torch.bfloat16, seed=2)       # B=1: dim 1 is the leading non-trivial dim
     tokens = _data((3, 16, 8), torch.float16, seed=3)              # [B, L, D]
-    tensors = [latent, batch1, tokens, _data((8,), torch.int64, seed=4), _data((4, 8), torch.bool, seed=5),
+    big = _data((2, 8, 32, 64), seed=8)                            # 512 KiB: gloo takes the broadcasts path
+    tensors = [latent, batch1, tokens, big, _data((8,), torch.int64, seed=4), _data((4, 8), torch.bool, seed=5),
                _data((2, 4, 4), torch.complex64, seed=6), torch.zeros(2, 0, 4),
                _data((4, 6, 8), seed=7).transpose(0, 2)]           # non-contiguous input
     out = []
