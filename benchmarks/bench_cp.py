@@ -176,7 +176,7 @@ def _machine() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Measure and print the table; the exit status is 1 when the run failed."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_cp", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=21, help="timed gathers at seq_dim=2 (half elsewhere; 3x for splits)")
+    parser.add_argument("--reps", type=int, default=31, help="timed gathers at seq_dim=2 (half elsewhere; 3x for splits)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--shape", default=",".join(map(str, DEFAULT_SHAPE)))
     parser.add_argument("--dims", default="2,1,3,4", help="seq_dims to measure (dims not divisible by 2 skipped)")

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from cp import debug
 from cp.comm import all_gather_into, as_bytes, backend_for, check_group, global_ranks
-from cp.workspace import workspace
+from cp.workspace import discard, workspace
 
 
 def check_tensor(what: str, x: Any, name: str = "x") -> None:
@@ -161,21 +161,22 @@ def _gather_cat(x: torch.Tensor, dim: int, group: Any, n: int, strategy: str | N
     shard = x.numel() // pre
     out_slots = out.view(pre, n, shard)  # [:, i] is rank i's shard in place
     if strategy is None:
-        if backend_for(group, x.device.type) != "gloo":
-            strategy = "all_gather"
-        elif out.numel() * out.element_size() < GLOO_BROADCAST_MIN_BYTES:
-            strategy = "all_gather"
-        else:
-            strategy = "broadcasts"
-    if strategy == "broadcasts":
-        _gather_by_broadcasts(x, out_slots, pre, shard, group, n, group.rank())
-        return out
+        big = out.numel() * out.element_size() >= GLOO_BROADCAST_MIN_BYTES
+        strategy = "broadcasts" if big and backend_for(group, x.device.type) == "gloo" else "all_gather"
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown gather strategy {strategy!r}; expected one of {STRATEGIES}")
-    # One all-gather into n contiguous slots: the result itself when pre == 1, else a scratch buffer.
-    slots = out_slots[0] if pre == 1 else _buffer(out.numel() * out.element_size(), x.device).view(
-        x.dtype).view(n, pre * shard)
-    all_gather_into(as_bytes(slots), as_bytes(x), group)
+    try:
+        if strategy == "broadcasts":
+            _gather_by_broadcasts(x, out_slots, pre, shard, group, n, group.rank())
+            return out
+        # One all-gather into n contiguous slots: the result itself when pre == 1, else a scratch buffer.
+        slots = out_slots[0] if pre == 1 else _buffer(out.numel() * out.element_size(), x.device).view(
+            x.dtype).view(n, pre * shard)
+        all_gather_into(as_bytes(slots), as_bytes(x), group)
+    except BaseException:
+        # A failed or interrupted collective may still write into the buffer later: never reuse it.
+        discard(x.device)
+        raise
     if pre != 1:
         out_slots.copy_(slots.view(n, pre, shard).transpose(0, 1))
     return out

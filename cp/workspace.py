@@ -30,6 +30,11 @@ def workspace(nbytes: int, device: torch.device) -> torch.Tensor:
     return buf[:nbytes]
 
 
+def discard(device: torch.device) -> None:
+    """Forget this thread's buffer on ``device``: after a failed collective it may still be written to."""
+    _buffers.pop((threading.get_ident(), device), None)
+
+
 def release_gather_workspace() -> None:
     """Free the buffers cat_outputs_cp keeps for reuse (also done by destroy_model_parallel)."""
     _buffers.clear()
