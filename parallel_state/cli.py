@@ -106,22 +106,25 @@ _MISSING = object()
 
 def find_split_quietly(shape: Sequence[int], cp_size: int, patch: Sequence[int], view_factor: int
                        ) -> tuple[tuple[int, ...], int]:
-    """``find_split``'s result and ``cp_size_t``, leaving ``parallel_state.cp_size_t`` as it was.
+    """``find_split``'s result and ``cp_size_t``, leaving every recorded ``cp_size_t`` as it was.
 
     ``plan`` only reports; it must not leave a value behind for code that runs after it in the
-    same process (tests call the CLI in-process).
+    same process (tests call the CLI in-process), neither in ``parallel_state`` nor in the
+    ``megatron.core.parallel_state`` copy that find_split keeps when megatron-core is loaded.
     """
     import parallel_state as ps
 
-    saved = vars(ps).get("cp_size_t", _MISSING)
+    modules = [m for m in (ps, sys.modules.get("megatron.core.parallel_state")) if m is not None]
+    saved = [(m, vars(m).get("cp_size_t", _MISSING)) for m in modules]
     try:
         out = ps.find_split(list(shape), cp_size, patch_values=tuple(patch), view_factor=view_factor)
         return tuple(int(v) for v in out), int(ps.cp_size_t)
     finally:
-        if saved is _MISSING:
-            vars(ps).pop("cp_size_t", None)
-        else:
-            ps.cp_size_t = saved
+        for module, value in saved:
+            if value is _MISSING:
+                vars(module).pop("cp_size_t", None)
+            else:
+                module.cp_size_t = value
 
 
 def split_report(plan: TopologyPlan, shape: tuple[int, ...], patch: tuple[int, int, int],

@@ -252,3 +252,12 @@ def test_plan_keeps_an_existing_cp_size_t(capsys):
         assert ps.cp_size_t == 7
     finally:
         del ps.cp_size_t
+
+
+def test_plan_leaves_megatron_cp_size_t_alone(capsys):
+    import megatron.core.parallel_state as mpu  # loaded: find_split mirrors cp_size_t into it
+
+    assert "cp_size_t" not in vars(mpu)
+    assert cli.main(_argv(4, 1, 2, 2, None, "--video-shape", "1,16,24,88,160", "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["split"]["cp_size_t"] == 2
+    assert "cp_size_t" not in vars(mpu) and "cp_size_t" not in vars(ps)
