@@ -271,7 +271,7 @@ class Topology:
         check(not hasattr(ps, "cp_size_t"), "parallel_state.cp_size_t survived destroy_model_parallel()")
         try:
             scheduler.pp_scheduler()
-        except Exception:
+        except ps.ParallelStateError:
             pass
         else:
             raise CheckFailed("pp_scheduler() still answers after destroy_model_parallel()")
@@ -335,4 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except Exception as exc:  # outside a step (argument parsing, final teardown): still one line
+        print(f"rank {os.environ.get('RANK', '?')}: {type(exc).__name__}: {' '.join(str(exc).split())}",
+              file=sys.stderr, flush=True)
+        os._exit(1)
