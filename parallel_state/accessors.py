@@ -146,9 +146,12 @@ def get_tensor_and_data_parallel_group(check_initialized: bool = True, with_cont
     return state.groups["tp-dp-cp" if with_context_parallel else "tp-dp"]
 
 
+_cp_global_ranks = _ranks_getter("cp", "context-parallel")
+
+
 def get_context_parallel_global_ranks(check_initialized: bool = True) -> Any:
     """Global ranks of this rank's context-parallel group."""
-    return _ranks_getter("cp", "context-parallel")(check_initialized=check_initialized)
+    return _cp_global_ranks(check_initialized=check_initialized)
 
 
 # --- ranks and sizes -------------------------------------------------------------------------

@@ -145,6 +145,10 @@ def initialize_model_parallel(
             "model-parallel groups are already initialized; call "
             "parallel_state.destroy_model_parallel() before initializing again"
         )
+    from parallel_state.bridge import megatron_clash
+
+    # Checked before any group exists; it joins the consistency check so no rank is left waiting.
+    clash = megatron_clash()
     plan = TopologyPlan(dist.get_world_size(), tp=tp, cp=cp, pp=pp, order=order)
     if virtual_pipeline_model_parallel_size is not None and pp <= 1:
         raise ParallelStateError(
@@ -158,9 +162,11 @@ def initialize_model_parallel(
             "initialize_model_parallel",
             {"tp": tp, "cp": cp, "pp": pp, "order": plan.order,
              "virtual_pp": virtual_pipeline_model_parallel_size,
-             "gloo_groups": bool(create_gloo_process_groups)},
+             "gloo_groups": bool(create_gloo_process_groups), "megatron_holds_own_groups": clash is not None},
             timeout=timeout,
         )
+    if clash is not None:
+        raise ParallelStateError(clash)
     _st.build(
         plan,
         timeout=timeout,
@@ -175,7 +181,7 @@ def initialize_model_parallel(
 def _bridge_if_megatron_loaded() -> None:
     import sys
 
-    if "megatron.core.parallel_state" in sys.modules:
+    if sys.modules.get("megatron.core.parallel_state") is not None:
         from parallel_state.bridge import bridge_megatron
 
         bridge_megatron()
