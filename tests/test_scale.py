@@ -130,12 +130,16 @@ def case_torch_init_barrier():
     import torch
     import torch.distributed as dist
 
+    saved = os.environ.get("TORCH_DIST_INIT_BARRIER")
     os.environ["TORCH_DIST_INIT_BARRIER"] = "1"
     try:
         ps.initialize_model_parallel(context_parallel_size=2, pipeline_model_parallel_size=2,
                                      timeout=datetime.timedelta(seconds=10))
     finally:
-        del os.environ["TORCH_DIST_INIT_BARRIER"]
+        if saved is None:
+            del os.environ["TORCH_DIST_INIT_BARRIER"]
+        else:
+            os.environ["TORCH_DIST_INIT_BARRIER"] = saved
     t = torch.ones(1)
     dist.all_reduce(t, group=ps.get_context_parallel_group())
     return t.item()
