@@ -1,1 +1,23 @@
-"""Context-parallel tensor helpers (see issue: the cp package)."""
+"""Context-parallel tensor helpers: split inputs into sequence shards, gather outputs, broadcast.
+
+Every helper takes its process group explicitly and never reads the global parallel state; a group
+of None means context parallelism is off and the input itself comes back, so the same model code
+runs in one process and in many.
+"""
+
+from cp.broadcast import broadcast, broadcast_split_tensor, robust_broadcast
+from cp.objects import cat_outputs_cp_object_list, split_inputs_cp_object_list
+from cp.shard import cat_outputs_cp, cat_outputs_cp_with_grad, split_inputs_cp
+from cp.workspace import release_gather_workspace
+
+__all__ = [
+    "broadcast",
+    "broadcast_split_tensor",
+    "cat_outputs_cp",
+    "cat_outputs_cp_object_list",
+    "cat_outputs_cp_with_grad",
+    "release_gather_workspace",
+    "robust_broadcast",
+    "split_inputs_cp",
+    "split_inputs_cp_object_list",
+]

@@ -2,7 +2,10 @@
 
 Mirrors ``megatron.core.parallel_state``: the same names, arguments, defaults and rank layout.
 The pieces: ``plan`` (pure topology arithmetic), ``state`` (the one live state object and its
-lifecycle), ``groups`` (members-only group creation), ``accessors`` (Megatron's getters).
+lifecycle), ``groups`` (members-only group creation), ``accessors`` (Megatron's getters),
+``split`` (``find_split`` and ``cp_size_t``), ``bridge`` (megatron-core reads our groups).
+The runtime: ``launch`` (launcher detection), ``manager`` (DistributedManager), ``resolve``
+(rank / world size / collective device), ``runtime`` (dist_init), ``log`` (print helpers).
 """
 
 from parallel_state.accessors import (  # noqa: F401  (re-exported API)
@@ -63,7 +66,19 @@ from parallel_state.accessors import (  # noqa: F401  (re-exported API)
     set_virtual_pipeline_model_parallel_rank,
     set_virtual_pipeline_model_parallel_world_size,
 )
+from parallel_state.bridge import bridge_megatron  # noqa: F401
 from parallel_state.errors import ParallelStateError, ParallelStateWarning  # noqa: F401
 from parallel_state.initialize import destroy_model_parallel, initialize_model_parallel  # noqa: F401
+from parallel_state.launch import LaunchInfo, detect_launch  # noqa: F401
+from parallel_state.log import print_per_rank, print_rank_0  # noqa: F401
+from parallel_state.manager import DistributedManager  # noqa: F401
 from parallel_state.plan import DEFAULT_ORDER, TopologyPlan  # noqa: F401
+from parallel_state.resolve import collective_device, resolve_global_rank, resolve_world_size  # noqa: F401
+from parallel_state.runtime import (  # noqa: F401
+    dist_init,
+    is_last_rank,
+    is_last_tp_cp_rank,
+    register_dist_init_hook,
+)
+from parallel_state.split import find_split  # noqa: F401
 from parallel_state.state import register_teardown_hook  # noqa: F401

@@ -13,13 +13,20 @@ the counter to ``base + n``. Names stay unique per process and identical across 
 members, and no rank does work for groups it is not in. A batch reserves its whole span up
 front, so a batch that fails part-way (on some ranks only, at different groups) still leaves
 every rank's counter at the same value, and a retry names its groups alike everywhere.
+
+Two things the default path assumes of all ranks are made members-only too: torch's optional
+barrier after each group (``TORCH_DIST_INIT_BARRIER=1``) waits for the whole world, so it is
+replaced by one barrier per group among its members (:meth:`GroupBatch.wait_for_members`),
+which also keeps a fast rank from destroying a gloo group a peer is still connecting.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -30,6 +37,25 @@ from parallel_state.errors import ParallelStateError
 def live_groups() -> set[Any]:
     """The process groups torch currently knows about in this process."""
     return set(c10d._world.pg_map)
+
+
+#: Keys of the members-only barrier, under each group's own store prefix (its unique name).
+_ARRIVED_KEY = "parallel_state/arrived"
+_ALL_ARRIVED_KEY = "parallel_state/all_arrived"
+
+
+@contextmanager
+def _without_world_barrier() -> Iterator[None]:
+    """Turn off torch's TORCH_DIST_INIT_BARRIER barrier, which non-members would never join."""
+    saved = os.environ.get("TORCH_DIST_INIT_BARRIER")
+    if saved in (None, "0"):
+        yield
+        return
+    os.environ["TORCH_DIST_INIT_BARRIER"] = "0"
+    try:
+        yield
+    finally:
+        os.environ["TORCH_DIST_INIT_BARRIER"] = saved
 
 
 def _default_backend() -> str:
@@ -57,6 +83,7 @@ class GroupBatch:
     timeout: datetime.timedelta
     reserve: int = 0
     created: list[Any] = field(default_factory=list)
+    _labels: dict[int, str] = field(default_factory=dict)
     _base: int = field(default=-1)
     _next_slot: int = 0
 
@@ -95,10 +122,11 @@ class GroupBatch:
             return mine
         c10d._world.group_count = self._base + slot + index
         try:
-            pg = dist.new_group(
-                list(ranks), timeout=self.timeout, backend=backend,
-                pg_options=pg_options, group_desc=desc,
-            )
+            with _without_world_barrier():
+                pg = dist.new_group(
+                    list(ranks), timeout=self.timeout, backend=backend,
+                    pg_options=pg_options, group_desc=desc,
+                )
         except Exception as exc:
             raise ParallelStateError(
                 f"rank {dist.get_rank()} could not create its {desc} process group with ranks {list(ranks)} "
@@ -111,7 +139,35 @@ class GroupBatch:
         if pg is None or pg == dist.GroupMember.NON_GROUP_MEMBER:
             raise ParallelStateError(f"rank {dist.get_rank()} was not made a member of {desc} {ranks}")
         self.created.append(pg)
+        self._labels[id(pg)] = f"{desc} group {list(ranks)}"
         return pg
+
+    def wait_for_members(self) -> None:
+        """Return once every member has finished creating each gloo group this batch created.
+
+        gloo connects a group inside ``new_group``, pair by pair; a rank whose own pairs are up
+        returns while a peer may still be connecting the rest, and if that rank then destroys
+        the group (initialize at once followed by destroy), the peer fails with "Connection
+        closed by peer". Every rank first arrives at all its groups, then waits on each, so the
+        waits overlap; the keys live under the group's never-repeating name.
+        """
+        pending = []
+        for pg in self.created:
+            backend, store = c10d._world.pg_map[pg]
+            if pg.size() == 1 or "gloo" not in str(backend):
+                continue  # nothing to wait for; other backends connect lazily or collectively
+            if store.add(_ARRIVED_KEY, 1) == pg.size():
+                store.set(_ALL_ARRIVED_KEY, "1")
+            pending.append((pg, store))
+        for pg, store in pending:
+            try:
+                store.wait([_ALL_ARRIVED_KEY], self.timeout)
+            except Exception as exc:  # torch raises DistStoreError (a RuntimeError) on timeout
+                raise ParallelStateError(
+                    f"rank {dist.get_rank()}: not every member of the {self._labels.get(id(pg), 'process group')} "
+                    f"finished creating it within {self.timeout} ({exc}); some rank of that group did not call "
+                    f"initialize_model_parallel with the same arguments, or failed: check its log"
+                ) from exc
 
     def close(self) -> None:
         """Leave the counter past every name this batch could have used, on every rank alike."""

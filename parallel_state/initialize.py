@@ -132,6 +132,10 @@ def initialize_model_parallel(
             "model-parallel groups are already initialized; call "
             "parallel_state.destroy_model_parallel() before initializing again"
         )
+    from parallel_state.bridge import megatron_clash
+
+    # Checked before any group exists; it joins the consistency check so no rank is left waiting.
+    clash = megatron_clash()
     if check_consistency:
         from parallel_state.consistency import check_same_everywhere
 
@@ -143,7 +147,10 @@ def initialize_model_parallel(
             "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size,
             "pipeline_model_parallel_comm_backend": pipeline_model_parallel_comm_backend,
             "create_gloo_process_groups": create_gloo_process_groups,
+            "megatron_holds_own_groups": clash is not None,
         }, timeout=timeout)
+    if clash is not None:
+        raise ParallelStateError(clash)
 
     try:
         plan, vpp, backend, nccl_options = _validated(
@@ -264,7 +271,7 @@ def _comparable_order(order: Any, tp: Any, cp: Any, pp: Any) -> Any:
 def _bridge_if_megatron_loaded() -> None:
     import sys
 
-    if "megatron.core.parallel_state" in sys.modules:
+    if sys.modules.get("megatron.core.parallel_state") is not None:
         from parallel_state.bridge import bridge_megatron
 
         bridge_megatron()

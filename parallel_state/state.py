@@ -130,6 +130,7 @@ def build(
                         count=plan.num_groups(kind), all_groups=lambda kind=kind: plan.groups(kind),
                         backend="gloo", desc=f"{kind}-gloo",
                     )
+        batch.wait_for_members()
     except BaseException:
         state.groups.clear()  # hand every reference to destroy_groups, which frees the groups
         state.gloo_groups.clear()

@@ -86,7 +86,8 @@ class RankPool:
         self._dir = tempfile.TemporaryDirectory(prefix=f"rankpool{world_size}-")
         store = os.path.join(self._dir.name, "store")
         ctx = mp.get_context("spawn")
-        worker_env = {"GLOO_SOCKET_IFNAME": "lo", **(env or {})}
+        # One intra-op thread per rank: the ranks already outnumber the cores.
+        worker_env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", **(env or {})}
         self._ranks: list[_Rank] = []
         for r in range(world_size):
             parent, child = ctx.Pipe()

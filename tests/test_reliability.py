@@ -457,19 +457,35 @@ def case_one_rank_fails_to_build(bad_rank, timeout_s):
 
 
 def test_all_ranks_keep_their_groups_or_none_does(pools):
-    # Rank 3 fails building its model-parallel group; rank 1, its partner there, times out; ranks
-    # 0 and 2 build everything, learn that 1 and 3 failed, and undo their part.
+    # Rank 3 fails building its model-parallel group [1, 3]; rank 1 times out creating it; ranks 0
+    # and 2 built all their groups, but members of their dp-cp groups never finished theirs.
     results = pools(4).run(case_one_rank_fails_to_build, 3, 2.0, timeout=120)
     assert "this torch build has no NCCL" in results[3]["error"]["message"]
     assert "could not create its tp-pp process group with ranks [1, 3]" in results[1]["error"]["message"]
-    for rank in (0, 2):
+    for rank, members in ((0, [0, 1]), (2, [2, 3])):
         message = results[rank]["error"]["message"]
         assert results[rank]["error"]["is_pse"], message
-        assert "initialize_model_parallel group creation failed on ranks 1, 3" in message, message
-        assert "(rank 1: ParallelStateError: rank 1 could not create its tp-pp process group" in message, message
-        assert "; rank 3: ParallelStateError: NCCL communicator options were given" in message, message
-        assert "so that no rank keeps a partial topology" in message, message
+        assert f"not every member of the dp-cp group {members} finished creating it" in message, message
     assert all(r["clean"] and r["retry"] for r in results), results
+
+
+def case_confirm(failing_rank):
+    """The closing round on its own: one rank reports a failure, the others succeeded."""
+    import torch.distributed as dist
+
+    from parallel_state.consistency import confirm_everywhere
+
+    mine = ValueError("disk full") if dist.get_rank() == failing_rank else None
+    return _attempt(confirm_everywhere, "load_checkpoint", mine, timeout=SECONDS)[0]
+
+
+def test_ranks_that_succeeded_learn_which_failed(pools):
+    results = pools(4).run(case_confirm, 2)
+    assert results[2] is None  # the failing rank raises its own error; the round only informs
+    for rank in (0, 1, 3):
+        message = results[rank]["message"]
+        assert results[rank]["is_pse"], message
+        assert message.startswith("load_checkpoint failed on rank 2 (rank 2: ValueError: disk full); this rank"), message
 
 
 def case_destroy_right_after_initialize(cycles):

@@ -1,0 +1,99 @@
+"""What every benchmark shares: the machine line, fresh-subprocess runs, and side-by-side tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from importlib import metadata
+from typing import Any, Sequence
+
+#: The repository root: benchmarks run the packages of this checkout, not an installed copy.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: Marks the line a worker subprocess prints its JSON result on, so stray output cannot confuse the parent.
+RESULT_TAG = "BENCH-RESULT "
+
+
+def _version(dist_name: str) -> str:
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def machine() -> str:
+    """One line naming what the figures were measured on (load matters: the numbers are wall time)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count() or 0
+    try:
+        load = "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        load = "load average unknown"
+    return (
+        f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs ({usable} usable), {load}; "
+        f"python {platform.python_version()}, torch {_version('torch')}, megatron-core {_version('megatron-core')}"
+    )
+
+
+def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a worker subprocess: this checkout first on the path, quiet warnings."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    env.update(extra or {})
+    return env
+
+
+def emit(result: Any) -> None:
+    """Print a worker's result for :func:`run_worker` to read."""
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+def parse(stdout: str, what: str) -> Any:
+    """The result a worker printed with :func:`emit`."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    raise RuntimeError(f"{what} printed no result; its output was:\n{stdout[-2000:]}")
+
+
+def run_worker(args: Sequence[str], *, timeout: float, what: str) -> Any:
+    """Run ``python ARGS`` in a fresh interpreter from the repository root and return what it emitted."""
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed with exit status {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return parse(proc.stdout, what)
+
+
+def median(values: Sequence[float]) -> float:
+    """The median, the figure every table reports (robust to one noisy run)."""
+    return statistics.median(values)
+
+
+def ratio(theirs: float, ours: float) -> str:
+    """How many times the comparison's figure is the project's (above 1: the project is faster/smaller)."""
+    if ours <= 0:
+        return "inf" if theirs > 0 else "-"
+    return f"{theirs / ours:.1f}x"
+
+
+def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]], notes: Sequence[str] = ()) -> str:
+    """A plain-text table (Markdown pipe syntax, so it pastes into the README as is)."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        padded = (c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        return "| " + " | ".join(padded) + " |"
+
+    out = [f"### {title}", "", line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(row) for row in cells[1:]]
+    out += ["", *notes, machine(), ""]
+    return "\n".join(out)

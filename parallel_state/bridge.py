@@ -1,0 +1,183 @@
+"""Make ``megatron.core.parallel_state`` answer with this project's process groups.
+
+megatron-core's accessors read module globals; the bridge points those globals at the groups
+``initialize_model_parallel`` built (the very objects, no second set of groups), and the teardown
+hook points them back to None. While bridged, megatron-core's own ``destroy_model_parallel`` is
+routed to ours, so the groups are destroyed once, by their owner: megatron's version would call
+``destroy_process_group`` on the gloo data-parallel groups, which are ours (and, on a gloo world,
+the data-parallel groups themselves).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+from parallel_state import state as _st
+from parallel_state.errors import ParallelStateError
+
+_MEGATRON = "megatron.core.parallel_state"
+
+#: megatron-core global -> the group kind it holds.
+_GROUPS = {
+    "_TENSOR_MODEL_PARALLEL_GROUP": "tp",
+    "_PIPELINE_MODEL_PARALLEL_GROUP": "pp",
+    "_MODEL_PARALLEL_GROUP": "tp-pp",
+    "_CONTEXT_PARALLEL_GROUP": "cp",
+    "_DATA_PARALLEL_GROUP": "dp",
+    "_DATA_PARALLEL_GROUP_WITH_CP": "dp-cp",
+    # One distributed-optimizer instance: megatron-core makes the intra-partial group the dp-cp group.
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": "dp-cp",
+    "_TENSOR_AND_DATA_PARALLEL_GROUP": "tp-dp",
+    "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "tp-dp-cp",
+    "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tp-cp",
+}
+_GLOO_GROUPS = {
+    "_DATA_PARALLEL_GROUP_GLOO": "dp",
+    "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": "dp-cp",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": "dp-cp",
+}
+_GLOBAL_RANKS = {
+    "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": "tp",
+    "_PIPELINE_GLOBAL_RANKS": "pp",
+    "_MODEL_PARALLEL_GLOBAL_RANKS": "tp-pp",
+    "_CONTEXT_PARALLEL_GLOBAL_RANKS": "cp",
+    "_DATA_PARALLEL_GLOBAL_RANKS": "dp",
+    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": "dp-cp",
+}
+#: megatron-core's _MPU_* caches win over its groups, as our set_* overrides win over ours.
+_CACHES = {
+    "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": "tensor_model_parallel_world_size",
+    "_MPU_TENSOR_MODEL_PARALLEL_RANK": "tensor_model_parallel_rank",
+    "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": "pipeline_model_parallel_world_size",
+    "_MPU_PIPELINE_MODEL_PARALLEL_RANK": "pipeline_model_parallel_rank",
+    "_MPU_DATA_PARALLEL_WORLD_SIZE": "data_parallel_world_size",
+    "_MPU_DATA_PARALLEL_RANK": "data_parallel_rank",
+}
+#: Globals whose being set means megatron-core holds live groups.
+_LIVE = ("_TENSOR_MODEL_PARALLEL_GROUP", "_PIPELINE_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP",
+         "_CONTEXT_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP")
+
+#: The state megatron-core currently reads, what we wrote into it, and megatron-core's own destroy.
+_bridged: _st.ParallelState | None = None
+_written: dict[str, Any] = {}
+_megatron_destroy: Callable[[], None] | None = None
+
+
+def _import_megatron() -> Any:
+    try:
+        import megatron.core.parallel_state as mps
+    except ImportError as exc:
+        raise ImportError(
+            "parallel_state.bridge_megatron() needs megatron-core, which is not importable "
+            f"({exc}); install it with: pip install parallel-state[megatron]"
+        ) from exc
+    return mps
+
+
+def megatron_clash() -> str | None:
+    """Why megatron-core cannot be bridged now (it holds groups it built itself), or None.
+
+    Reads ``sys.modules`` only: never imports megatron-core.
+    """
+    mps = sys.modules.get(_MEGATRON)
+    if mps is None:
+        return None
+    ours = {id(g) for g in _bridged.groups.values()} if _bridged is not None else set()
+    foreign = [name for name in _LIVE if getattr(mps, name, None) is not None and id(getattr(mps, name)) not in ours]
+    if not foreign:
+        return None
+    return (
+        f"megatron.core.parallel_state already holds process groups it created itself ({', '.join(foreign)}): "
+        f"megatron.core.parallel_state.initialize_model_parallel was called. Use one of the two: call "
+        f"megatron.core.parallel_state.destroy_model_parallel() before parallel_state.initialize_model_parallel"
+    )
+
+
+def bridge_megatron() -> bool:
+    """Point ``megatron.core.parallel_state`` at this project's live groups; return whether it now reads them.
+
+    After it, megatron-core's tensor, pipeline, context, data (with and without context parallel,
+    and gloo), model-parallel, tensor+data and tensor+context accessors return the very group
+    objects ``parallel_state`` returns, with the same ranks, sizes and global ranks, and
+    ``model_parallel_is_initialized()`` is true there too. Before ``initialize_model_parallel``
+    it only loads megatron-core and returns False: initialize then bridges by itself. Idempotent.
+    ``destroy_model_parallel()`` (ours, or megatron-core's while bridged) resets megatron-core's view.
+
+    Raises ImportError (saying ``pip install parallel-state[megatron]``) without megatron-core,
+    and ParallelStateError when megatron-core already holds groups it built itself.
+    """
+    global _bridged, _megatron_destroy
+    mps = _import_megatron()
+    state = _st.peek()
+    if state is None:
+        return False
+    clash = megatron_clash()
+    if clash is not None:
+        raise ParallelStateError(clash)
+    values: dict[str, Any] = {}
+    for name, kind in _GROUPS.items():
+        values[name] = state.groups[kind]
+    for name, kind in _GLOO_GROUPS.items():
+        values[name] = state.gloo_groups.get(kind)
+    for name, kind in _GLOBAL_RANKS.items():
+        values[name] = list(state.ranks(kind))
+    for name, key in _CACHES.items():
+        values[name] = _st.overrides.get(key)
+    # No expert parallelism here: every rank is its own expert-parallel group of one (megatron-core's
+    # get_all_ranks and MoE-aware code read these).
+    values["_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE"] = 1
+    values["_MPU_EXPERT_MODEL_PARALLEL_RANK"] = 0
+    from parallel_state import accessors
+
+    values["_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE"] = accessors.get_virtual_pipeline_model_parallel_world_size()
+    values["_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK"] = accessors.get_virtual_pipeline_model_parallel_rank()
+    # megatron-core's list of this rank's groups (None = the default group), for update_pg_timeout.
+    values["_global_process_group_list"] = [None, *state.owned]
+    if getattr(mps, "_GLOBAL_MEMORY_BUFFER", None) is None:  # megatron-core's initialize creates it
+        values["_GLOBAL_MEMORY_BUFFER"] = mps.GlobalMemoryBuffer()
+    elif _bridged is state:
+        values["_GLOBAL_MEMORY_BUFFER"] = mps._GLOBAL_MEMORY_BUFFER
+    # Everything that can fail has run; from here on only assignments.
+    for name, value in values.items():
+        setattr(mps, name, value)
+    _written.clear()
+    _written.update(values)
+    if mps.destroy_model_parallel is not _routed_megatron_destroy:
+        _megatron_destroy = mps.destroy_model_parallel
+        mps.destroy_model_parallel = _routed_megatron_destroy
+    _bridged = state
+    _st.register_teardown_hook(_unbridge)
+    from parallel_state.split import mirror_cp_size_t
+
+    mirror_cp_size_t()
+    return True
+
+
+def is_bridged() -> bool:
+    """Whether megatron-core currently reads this project's groups."""
+    return _bridged is not None
+
+
+def _unbridge() -> None:
+    """Teardown hook: point megatron-core's globals back to None and give it back its destroy function."""
+    global _bridged
+    mps = sys.modules.get(_MEGATRON)
+    if mps is not None:
+        for name, value in _written.items():
+            # Only what still holds our value: megatron-core may have been reset meanwhile.
+            if value is not None and getattr(mps, name, None) is value:
+                setattr(mps, name, None)
+        if _megatron_destroy is not None and mps.destroy_model_parallel is _routed_megatron_destroy:
+            mps.destroy_model_parallel = _megatron_destroy
+    _written.clear()
+    _bridged = None
+
+
+def _routed_megatron_destroy() -> None:
+    """megatron-core's destroy_model_parallel while bridged: tear down once, through parallel_state."""
+    from parallel_state.initialize import destroy_model_parallel
+
+    destroy_model_parallel()
+    if _megatron_destroy is not None:
+        _megatron_destroy()  # resets megatron-core's other globals; the gloo ones are None by now

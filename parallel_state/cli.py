@@ -1,0 +1,340 @@
+"""The command line: ``python -m parallel_state plan`` and ``python -m parallel_state demo``.
+
+``plan`` sizes a job without starting a process: the groups every rank will be in, each rank's
+coordinates and, for a video latent, how context parallelism splits it. ``demo`` runs the whole
+lifecycle on local CPU ranks (see ``parallel_state.demo``).
+
+Exit codes: 0 success; 1 a check failed (``plan``: the latent cannot be split with this cp size;
+``demo``: a rank's check failed); 2 invalid input. Every error is one line on stderr, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from parallel_state.errors import ParallelStateError
+from parallel_state.plan import DEFAULT_ORDER, TopologyPlan
+
+PROG = "python -m parallel_state"
+
+#: The group kinds ``plan`` reports, with what each is in Megatron's API.
+PLAN_KINDS: dict[str, str] = {
+    "tp": "tensor parallel",
+    "cp": "context parallel",
+    "pp": "pipeline parallel",
+    "dp": "data parallel",
+    "dp-cp": "data parallel with context parallel",
+    "tp-pp": "model parallel (tensor + pipeline)",
+    "tp-cp": "tensor + context parallel",
+}
+SIZE_KEYS: tuple[str, ...] = ("tp", "cp", "pp", "dp")
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exits with ``code``."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE):
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints the usage block and exits; we want one line and our exit code.
+    def error(self, message: str) -> Any:
+        raise CliError(f"{message} (see {self.prog} --help)")
+
+
+# ----------------------------------------------------------------------------- parsing helpers
+
+
+def int_list(flag: str, text: str, length: int, names: str) -> tuple[int, ...]:
+    """Parse ``"1,2,3"`` given to ``flag`` into ``length`` positive ints, or raise CliError."""
+    parts = [p.strip() for p in str(text).split(",")]
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        raise CliError(f"{flag} needs {length} comma-separated integers {names}, got {text!r}") from None
+    if len(values) != length:
+        raise CliError(f"{flag} needs {length} comma-separated integers {names}, got {len(values)} in {text!r}")
+    if any(v < 1 for v in values):
+        raise CliError(f"{flag} values must all be >= 1, got {text!r}")
+    return values
+
+
+def make_plan(world_size: int, tp: int, cp: int, pp: int, order: str) -> TopologyPlan:
+    """A TopologyPlan, with its errors turned into one-line CLI errors."""
+    try:
+        return TopologyPlan(world_size, tp=tp, cp=cp, pp=pp, order=order)
+    except ParallelStateError as exc:
+        raise CliError(str(exc)) from None
+
+
+# ----------------------------------------------------------------------------- video split
+
+
+@dataclass
+class SplitReport:
+    """What ``find_split`` says about one latent shape and cp size."""
+
+    shape: tuple[int, ...]
+    cp_size: int
+    patch: tuple[int, int, int]
+    view_factor: int
+    per_rank: tuple[int, ...] | None = None  # (T', H', W) when it splits
+    cp_size_t: int | None = None
+    error: str | None = None
+    suggested_cp_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def cp_size_h(self) -> int | None:
+        return None if self.cp_size_t is None else self.cp_size // self.cp_size_t
+
+
+_MISSING = object()
+
+
+def find_split_quietly(shape: Sequence[int], cp_size: int, patch: Sequence[int], view_factor: int
+                       ) -> tuple[tuple[int, ...], int]:
+    """``find_split``'s result and ``cp_size_t``, leaving every recorded ``cp_size_t`` as it was.
+
+    ``plan`` only reports; it must not leave a value behind for code that runs after it in the
+    same process (tests call the CLI in-process), neither in ``parallel_state`` nor in the
+    ``megatron.core.parallel_state`` copy that find_split keeps when megatron-core is loaded.
+    """
+    import parallel_state as ps
+
+    modules = [m for m in (ps, sys.modules.get("megatron.core.parallel_state")) if m is not None]
+    saved = [(m, vars(m).get("cp_size_t", _MISSING)) for m in modules]
+    try:
+        out = ps.find_split(list(shape), cp_size, patch_values=tuple(patch), view_factor=view_factor)
+        return tuple(int(v) for v in out), int(ps.cp_size_t)
+    finally:
+        for module, value in saved:
+            if value is _MISSING:
+                vars(module).pop("cp_size_t", None)
+            else:
+                module.cp_size_t = value
+
+
+def split_report(plan: TopologyPlan, shape: tuple[int, ...], patch: tuple[int, int, int],
+                 view_factor: int) -> SplitReport:
+    """Plan ``shape`` for ``plan.cp``; when it cannot be split, list the cp sizes that could.
+
+    A shape that is invalid whatever the cp size (not 5-D, T not divisible by the view factor)
+    is a CliError; a shape that only this cp size cannot split is reported, not raised.
+    """
+    report = SplitReport(shape=shape, cp_size=plan.cp, patch=patch, view_factor=view_factor)
+    try:
+        find_split_quietly(shape, 1, patch, view_factor)
+    except (ValueError, TypeError) as exc:
+        raise CliError(f"--video-shape {','.join(map(str, shape))}: {exc}") from None
+    try:
+        report.per_rank, report.cp_size_t = find_split_quietly(shape, plan.cp, patch, view_factor)
+        return report
+    except (ValueError, TypeError) as exc:
+        report.error = str(exc)
+    # cp sizes that keep this world size, tp and pp and that split the latent.
+    room = plan.world_size // (plan.tp * plan.pp)
+    for cp in range(1, room + 1):
+        if room % cp:
+            continue
+        try:
+            find_split_quietly(shape, cp, patch, view_factor)
+        except (ValueError, TypeError):
+            continue
+        report.suggested_cp_sizes.append(cp)
+    return report
+
+
+# ----------------------------------------------------------------------------- plan output
+
+
+def plan_dict(plan: TopologyPlan, split: SplitReport | None = None) -> dict[str, Any]:
+    """The ``plan --json`` object."""
+    out: dict[str, Any] = {
+        "world_size": plan.world_size,
+        "order": plan.order,
+        "sizes": {k: plan.size(k) for k in SIZE_KEYS},
+        "groups": {kind: [list(g) for g in plan.groups(kind)] for kind in PLAN_KINDS},
+        "ranks": [{"rank": r, **{k: plan.coords(r)[k] for k in SIZE_KEYS}} for r in range(plan.world_size)],
+        "split": None,
+    }
+    if split is not None:
+        if split.ok:
+            out["split"] = {"shape": list(split.per_rank or ()), "cp_size_t": split.cp_size_t}
+        else:
+            out["split_error"] = {"message": split.error, "suggested_cp_sizes": split.suggested_cp_sizes}
+    return out
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "  ") -> list[str]:
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        return indent + "  ".join(v.rjust(w) for v, w in zip(values, widths, strict=True)).rstrip()
+
+    return [line(list(headers))] + [line(r) for r in cells]
+
+
+def _wrap(items: Sequence[str], indent: str, width: int = 100) -> list[str]:
+    # Wrap between items only, so a rank list is never cut in two.
+    lines, cur = [], ""
+    for item in items:
+        if cur and len(indent) + len(cur) + 2 + len(item) > width:
+            lines.append(indent + cur)
+            cur = ""
+        cur = f"{cur}  {item}" if cur else item
+    return lines + [indent + cur] if cur else lines
+
+
+def format_plan(plan: TopologyPlan) -> str:
+    """Readable tables: the sizes, every group kind with its rank lists, each rank's coordinates."""
+    lines = [f"Topology: {plan.world_size} ranks, order {plan.order}"]
+    lines += _table(SIZE_KEYS, [[plan.size(k) for k in SIZE_KEYS]])
+    lines += ["", "Groups (global ranks of every group, in Megatron's order)"]
+    name_w = max(len(k) for k in PLAN_KINDS)
+    for kind, meaning in PLAN_KINDS.items():
+        n, size = plan.num_groups(kind), plan.group_size(kind)
+        lines.append(f"  {kind.ljust(name_w)}  {meaning}: {n} group{'s' * (n != 1)} of {size}")
+        lines += _wrap(["[" + ", ".join(map(str, g)) + "]" for g in plan.groups(kind)], " " * (name_w + 4))
+    lines += ["", "Ranks (coordinates; pp is the pipeline stage)"]
+    lines += _table(("rank",) + SIZE_KEYS, [[r] + [plan.coords(r)[k] for k in SIZE_KEYS]
+                                            for r in range(plan.world_size)])
+    return "\n".join(lines)
+
+
+def format_split(split: SplitReport) -> str:
+    """The find_split result, or why the latent cannot be split and which cp sizes can."""
+    head = (f"Video latent {list(split.shape)} (B, C, T, H, W), patch {list(split.patch)}, "
+            f"view factor {split.view_factor}, cp {split.cp_size}")
+    if split.ok:
+        t, h, w = split.per_rank or (0, 0, 0)
+        return "\n".join([
+            head,
+            f"  find_split -> per-rank shape [T', H', W] = [{t}, {h}, {w}]",
+            f"  cp_size_t = {split.cp_size_t} (temporal split {split.cp_size_t} x height split {split.cp_size_h}; "
+            f"width is never split)",
+        ])
+    sizes = ", ".join(map(str, split.suggested_cp_sizes)) or "none"
+    return "\n".join([
+        head,
+        f"  cannot be split: {split.error}",
+        f"  cp sizes that split this latent and fit this world size, tp and pp: {sizes}",
+    ])
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    plan = make_plan(args.world_size, args.tp, args.cp, args.pp, args.order)
+    split = None
+    if args.video_shape is None:
+        if args.patch is not None or args.view_factor is not None:
+            raise CliError("--patch and --view-factor describe a video latent: give --video-shape B,C,T,H,W too")
+    else:
+        shape = int_list("--video-shape", args.video_shape, 5, "B,C,T,H,W")
+        patch = int_list("--patch", args.patch or "1,2,2", 3, "pT,pH,pW")
+        view_factor = 1 if args.view_factor is None else args.view_factor
+        if view_factor < 1:
+            raise CliError(f"--view-factor must be >= 1, got {view_factor}")
+        split = split_report(plan, shape, patch, view_factor)  # type: ignore[arg-type]
+    if args.svg:
+        from parallel_state.layout_svg import write_svg
+
+        try:
+            write_svg(plan, args.svg, split=split)
+        except OSError as exc:
+            raise CliError(f"cannot write --svg {args.svg}: {exc.strerror or exc}") from None
+    if args.json:
+        print(json.dumps(plan_dict(plan, split)))
+    else:
+        print(format_plan(plan))
+        if split is not None:
+            print()
+            print(format_split(split))
+        if args.svg:
+            print(f"\nLayout picture written to {args.svg}")
+    return EXIT_OK if split is None or split.ok else EXIT_CHECK_FAILED
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from parallel_state.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m parallel_state``."""
+    parser = _Parser(prog=PROG, description="Plan context/pipeline-parallel topologies and run the local demo.")
+    sub = parser.add_subparsers(dest="command", metavar="{plan,demo}", parser_class=_Parser)
+    sub.required = True
+
+    p = sub.add_parser("plan", help="show the process groups and latent split of a topology (starts nothing)",
+                       description="Show every process group, each rank's coordinates and, for a video "
+                       "latent, how context parallelism splits it. No process is started.")
+    p.add_argument("--world-size", type=int, required=True, metavar="N", help="number of ranks (GPUs)")
+    p.add_argument("--tp", type=int, default=1, metavar="A", help="tensor-parallel size (default 1)")
+    p.add_argument("--cp", type=int, default=1, metavar="B", help="context-parallel size (default 1)")
+    p.add_argument("--pp", type=int, default=1, metavar="C", help="pipeline-parallel size (default 1)")
+    p.add_argument("--order", default=DEFAULT_ORDER, help=f"rank order (default Megatron's {DEFAULT_ORDER})")
+    p.add_argument("--video-shape", metavar="B,C,T,H,W", help="a video latent shape to plan with find_split")
+    p.add_argument("--patch", metavar="pT,pH,pW", help="patch sizes for find_split (default 1,2,2)")
+    p.add_argument("--view-factor", type=int, metavar="V", help="views folded into T (default 1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--svg", metavar="FILE", help="also draw the layout as an SVG picture")
+    p.set_defaults(func=_cmd_plan)
+
+    d = sub.add_parser("demo", help="run the whole lifecycle on local CPU ranks (gloo, 127.0.0.1)",
+                       description="Start CPU ranks with torch.distributed's elastic launcher (gloo, 127.0.0.1 "
+                       "only) and on each: initialize a topology, split a video latent, run it through the "
+                       "pipeline stages, gather and check it, then tear down, rebuild another topology and "
+                       "check again.")
+    d.add_argument("--nproc", type=int, default=4, metavar="N", help="number of ranks (default 4)")
+    d.add_argument("--cp", type=int, metavar="B", help="context-parallel size (default 2 for an even --nproc)")
+    d.add_argument("--pp", type=int, metavar="C", help="pipeline-parallel size (default nproc / cp)")
+    d.add_argument("--rebuild-cp", type=int, metavar="B", help="cp size of the rebuilt topology (default nproc)")
+    d.add_argument("--rebuild-pp", type=int, metavar="C", help="pp size of the rebuilt topology (default 1)")
+    d.add_argument("--latent", default="1,16,24,88,160", metavar="B,C,T,H,W",
+                   help="video latent shape (default 1,16,24,88,160)")
+    d.add_argument("--patch", default="1,2,2", metavar="pT,pH,pW", help="patch sizes for find_split (default 1,2,2)")
+    d.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="stop the ranks after this long (default 300)")
+    d.add_argument("--corrupt-rank", type=int, default=None, help=argparse.SUPPRESS)  # proves the checks can fail
+    d.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (never raises, never prints a traceback)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return int(args.func(args))
+    except CliError as exc:
+        print(f"{PROG}: error: {_one_line(str(exc))}", file=sys.stderr)
+        return exc.code
+    except SystemExit as exc:  # --help, --version
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug: still one line, with what it was
+        print(f"{PROG}: internal error: {type(exc).__name__}: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_CHECK_FAILED

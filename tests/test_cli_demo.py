@@ -1,0 +1,117 @@
+"""``python -m parallel_state demo``: the whole job end to end on real ranks, its failure path, its input checks."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from parallel_state import cli
+from parallel_state.demo import config_from_args, default_topologies
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL_LATENT = "1,4,8,16,16"
+
+
+def _demo(*args, cwd):
+    # PYTHONPATH names this checkout so the launcher and the ranks import the code under test; the
+    # subprocess timeout only turns a hang into a failure.
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "parallel_state", "demo", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=240)
+
+
+def test_demo_end_to_end_on_four_ranks(tmp_path):
+    proc = _demo("--nproc", "4", "--latent", SMALL_LATENT, "--timeout", "200", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    steps = re.findall(r"^\[\s*(\d+)/12\] (cp \d x pp \d)  (.+?)\s+ok\s+[\d.]+ s", out, flags=re.M)
+    assert [int(i) for i, _, _ in steps] == list(range(1, 13))
+    assert [t for _, t, _ in steps] == ["cp 2 x pp 2"] * 6 + ["cp 4 x pp 1"] * 6
+    # The layout is printed once, for the first topology.
+    assert out.count("Topology: 4 ranks") == 1
+    assert "cp groups [[0, 1], [2, 3]], pp groups [[0, 2], [1, 3]]" in out
+    assert "cp groups [[0, 1, 2, 3]], pp groups [[0], [1], [2], [3]]" in out
+    assert "[1, 4, 8, 16, 16] -> per-rank [4, 16, 16], cp_size_t 2" in out
+    assert "[1, 4, 8, 16, 16] -> per-rank [2, 16, 16], cp_size_t 4" in out
+    assert out.count("[1, 4, 8, 16, 16], bit for bit") == 2
+    assert out.count("0 process groups alive besides the default group (all ranks)") == 2
+    assert "Summary: 12/12 steps passed on 4 ranks" in out
+    assert "all ranks exited cleanly" in out
+    assert "FAILED" not in out + proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_demo_failing_check_exits_nonzero_with_one_line_per_rank(tmp_path):
+    # Rank 1 perturbs its shard before the pipeline: the one-process comparison must catch it.
+    proc = _demo("--nproc", "2", "--latent", SMALL_LATENT, "--corrupt-rank", "1", "--timeout", "200", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "[ 4/12] cp 2 x pp 1  pipeline via scheduler" in proc.stdout
+    assert "Summary" not in proc.stdout
+    assert re.search(r"^rank [01]: step 5/12 'cp 2 x pp 1  cat_outputs_cp == 1 process' FAILED: the gathered "
+                     r"output differs from the one-process result: \d+ of 8192 elements differ", proc.stderr, re.M)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("python -m parallel_state: error: demo FAILED: rank ")
+
+
+@pytest.mark.parametrize("nproc,expected", [(4, ((2, 2), (4, 1))), (2, ((2, 1), (1, 2))), (8, ((2, 4), (8, 1))),
+                                            (3, ((3, 1), (1, 3))), (1, ((1, 1), (1, 1)))])
+def test_default_topologies(nproc, expected):
+    assert default_topologies(nproc) == expected
+    args = cli.build_parser().parse_args(["demo", "--nproc", str(nproc)])
+    assert config_from_args(args).topologies == expected
+
+
+def test_demo_explicit_topologies():
+    args = cli.build_parser().parse_args(["demo", "--nproc", "8", "--pp", "2", "--rebuild-pp", "4"])
+    assert config_from_args(args).topologies == ((4, 2), (2, 4))
+    args = cli.build_parser().parse_args(["demo", "--nproc", "4", "--cp", "1", "--rebuild-cp", "2"])
+    assert config_from_args(args).topologies == ((1, 4), (2, 2))
+
+
+BAD = [
+    (["--nproc", "0"], "--nproc must be >= 1, got 0"),
+    (["--nproc", "4", "--cp", "3"], "--cp 3 x --pp 1 = 3 ranks, but --nproc is 4"),
+    (["--nproc", "4", "--rebuild-cp", "2", "--rebuild-pp", "1"], "--rebuild-cp 2 x --rebuild-pp 1 = 2 ranks"),
+    (["--latent", "1,4,8,16"], "--latent needs 5 comma-separated integers B,C,T,H,W"),
+    (["--patch", "1,2"], "--patch needs 3 comma-separated integers"),
+    (["--nproc", "4", "--latent", "1,4,3,6,16"], "--latent 1,4,3,6,16 cannot be split with cp 2"),
+    (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
+    (["--corrupt-rank", "9"], "--corrupt-rank must name one of the 4 ranks, got 9"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD)
+def test_demo_bad_input_is_one_line_before_any_process_starts(capsys, argv, message):
+    code = cli.main(["demo", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_demo_unsplittable_latent_names_the_cp_sizes_that_work(capsys):
+    assert cli.main(["demo", "--nproc", "4", "--latent", "1,4,3,6,16"]) == 2
+    err = capsys.readouterr().err
+    assert "(cp sizes that can, for 4 ranks: 1)" in err
+
+
+def test_plain_imports_stay_light_and_one_way():
+    code = ("import sys, parallel_state, parallel_state.cli, parallel_state.demo, parallel_state.layout_svg\n"
+            "bad = [m for m in ('cp', 'scheduler', 'parallel_state_demo', 'torch.distributed.launcher', 'loguru',"
+            " 'megatron') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_demo_namespace_defaults_match_the_issue():
+    args = cli.build_parser().parse_args(["demo"])
+    assert isinstance(args, argparse.Namespace)
+    config = config_from_args(args)
+    assert config.nproc == 4 and config.topologies == ((2, 2), (4, 1))
+    assert config.latent == (1, 16, 24, 88, 160) and config.patch == (1, 2, 2)
