@@ -33,8 +33,8 @@ def check_same_everywhere(what: str, config: Mapping[str, Any], *,
     rank must call it the same number of times for the same ``what``. Values are compared as
     JSON (``repr`` for anything else), so pass plain data.
     """
-    if not isinstance(config, Mapping):
-        raise ParallelStateTypeError(f"config must be a dict of argument name -> value, got {config!r}")
+    if not isinstance(config, Mapping) or not all(isinstance(k, str) for k in config):
+        raise ParallelStateTypeError(f"config must be a dict of argument name (str) -> value, got {config!r}")
     values = _values_if_different(what, json.dumps(dict(config), sort_keys=True, default=repr), timeout)
     if values is not None:
         raise ParallelStateError(_mismatch_message(what, values))

@@ -151,7 +151,7 @@ def case_check_api(tag):
     odd = {"backend": "nccl" if rank == 2 else "gloo", "cp_size": 2}
     mismatch, _ = _attempt(check_same_everywhere, f"dist_init[{tag}]", odd, timeout=SECONDS)
     bad = [_attempt(check_same_everywhere, *a, **k)[0] for a, k in [
-        ((5, {}), {}), (("x", [1]), {}), (("x", {}), {"timeout": 3})]]
+        ((5, {}), {}), (("x", [1]), {}), (("x", {1: 2}), {}), (("x", {}), {"timeout": 3})]]
     prefix = f"parallel_state/same_everywhere/dist_init[{tag}]"
     leftover = [k for k in range(1, 40) if _store().check([f"{prefix}/{k}/count"])]
     return mismatch, bad, leftover
