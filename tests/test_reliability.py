@@ -61,6 +61,23 @@ def _describe(exc):
             "is_type": isinstance(exc, TypeError), "is_nie": isinstance(exc, NotImplementedError)}
 
 
+def _missing(message):
+    """The ranks a 'did not arrive' error names (a loaded machine may delay more than one)."""
+    import re
+
+    from parallel_state.consistency import _ranges
+
+    found = re.search(r"rank\(s\) ([0-9, -]+) of \d+ did not arrive within the timeout", message)
+    if not found:
+        return None
+    ranks = []
+    for part in found.group(1).split(", "):
+        lo, _, hi = part.partition("-")
+        ranks += range(int(lo), int(hi or lo) + 1)
+    assert _ranges(ranks) == found.group(1)
+    return ranks
+
+
 def _attempt(fn, *args, **kwargs):
     """Call ``fn``; describe what it raised, or None with its result."""
     try:
@@ -132,7 +149,8 @@ def test_a_rank_that_never_arrives_is_named_within_the_timeout(pools):
     results = pools(4).run(case_missing_rank, 3, uuid.uuid4().hex, 2.0)
     for rank in (0, 1, 2):
         err = results[rank]["error"]
-        assert err["is_pse"] and "rank(s) 3 of 4 did not arrive within the timeout (0:00:02)" in err["message"], err
+        assert err["is_pse"] and "did not arrive within the timeout (0:00:02)" in err["message"], err
+        assert 3 in _missing(err["message"]), err
     late = results[3]["error"]
     assert late["is_pse"] and "arrived too far apart" in late["message"] and "rank 3 was the last" in late["message"]
     # Every rank failed the same check, so the next call lines up again.
@@ -269,7 +287,7 @@ def test_a_dead_rank_fails_the_others_within_the_timeout_and_they_shut_down_clea
               f"\n          re-initialize after {out['again_seconds']:.2f}s: {out['again']['message'][:90]}")
         assert out["error"] is not None and out["iteration"] == 2, out
         assert out["clean"] and out["clean_again"], out
-        assert out["again"]["is_pse"] and "rank(s) 3 of 4 did not arrive within the timeout" in out["again"]["message"]
+        assert out["again"]["is_pse"] and 3 in (_missing(out["again"]["message"]) or []), out["again"]
     assert pool.exitcodes == [0, 0, 0, 17]  # the survivors left their world and exited normally
 
 
@@ -440,7 +458,10 @@ def case_timeout_mid_creation(tag):
 def test_a_timeout_in_the_middle_of_group_creation_rolls_back_everywhere(pools):
     for rank, out in enumerate(pools(4).run(case_timeout_mid_creation, uuid.uuid4().hex, timeout=120)):
         assert out["error"]["is_pse"], (rank, out)
-        assert "could not create its" in out["error"]["message"] and "(timeout 0:00:01)" in out["error"]["message"]
+        message = out["error"]["message"]
+        # A rank fails creating a group, or waiting for a group's members to finish theirs.
+        assert ("could not create its" in message and "(timeout 0:00:01)" in message) or \
+            ("not every member of the" in message and "within 0:00:01" in message), message
         assert out["clean"] and out["retry"], (rank, out)
 
 
@@ -461,11 +482,13 @@ def test_all_ranks_keep_their_groups_or_none_does(pools):
     # and 2 built all their groups, but members of their dp-cp groups never finished theirs.
     results = pools(4).run(case_one_rank_fails_to_build, 3, 2.0, timeout=120)
     assert "this torch build has no NCCL" in results[3]["error"]["message"]
-    assert "could not create its tp-pp process group with ranks [1, 3]" in results[1]["error"]["message"]
-    for rank, members in ((0, [0, 1]), (2, [2, 3])):
+    for rank in (0, 1, 2):
         message = results[rank]["error"]["message"]
         assert results[rank]["error"]["is_pse"], message
-        assert f"not every member of the dp-cp group {members} finished creating it" in message, message
+        # Usually rank 1 "could not create its tp-pp process group with ranks [1, 3]" and ranks 0
+        # and 2 find "not every member of the dp-cp group ... finished creating it"; a loaded
+        # machine can move a timeout to another group, never let a rank succeed.
+        assert "could not create its" in message or "not every member of the" in message, message
     assert all(r["clean"] and r["retry"] for r in results), results
 
 
