@@ -1,4 +1,5 @@
-"""Checking that every rank asked for the same thing, in one round through the default store.
+"""Cross-rank agreement in one round through the default store: every rank asked for the same
+thing (``check_same_everywhere``), every rank succeeded (``confirm_everywhere``).
 
 Why the store and not a collective: store operations take their own timeout (the caller's,
 not the default group's), need no device (NCCL collectives need a CUDA tensor), cost each rank
@@ -48,7 +49,7 @@ def confirm_everywhere(what: str, error: BaseException | None, *, timeout: datet
     another failed or never came gets a ParallelStateError naming those ranks, so that
     every rank can undo its part: all ranks succeed or none does.
     """
-    mine = "ok" if error is None else f"{type(error).__name__}: {error}"
+    mine = "ok" if error is None else f"{type(error).__name__}: {error}"[:2000]
     try:
         values = _values_if_different(what, mine, timeout)
     except ParallelStateError:
