@@ -146,7 +146,7 @@ def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_da
     if not state.gloo_groups:
         raise ParallelStateError(
             "the gloo data-parallel group was not created: initialize_model_parallel was called "
-            "with create_gloo_process_groups=False"
+            "with create_gloo_process_groups=False; initialize with create_gloo_process_groups=True to have it"
         )
     return state.gloo_groups[kind]
 
