@@ -78,6 +78,21 @@ def split_inputs_cp(x: torch.Tensor, seq_dim: int, cp_group: Any = None) -> torc
     return x.narrow(dim, cp_group.rank() * length, length).contiguous()
 
 
+def _gather_dim(what: str, x: torch.Tensor, seq_dim: int, cp_group: Any) -> int | None:
+    """Check a gather's arguments; the normalized dim, or None when there is nothing to gather."""
+    if cp_group is None:
+        return None
+    check_tensor(what, x)
+    check_group(cp_group, what)
+    n = cp_group.size()
+    dim = normalize_dim(what, x.shape, seq_dim, n)
+    if n == 1:
+        return None
+    if debug.enabled():
+        debug.check_same(what, x, cp_group)
+    return dim
+
+
 def cat_outputs_cp(x: torch.Tensor, seq_dim: int, cp_group: Any = None) -> torch.Tensor:
     """Gather every rank's equal-shaped ``x`` and concatenate them in group-rank order along ``seq_dim``.
 
@@ -85,19 +100,11 @@ def cat_outputs_cp(x: torch.Tensor, seq_dim: int, cp_group: Any = None) -> torch
     caller owns, outside the autograd graph (see cat_outputs_cp_with_grad). With PARALLEL_STATE_DEBUG=1
     every rank first checks that all shards have the same shape, dtype and device.
     """
-    if cp_group is None:
+    dim = _gather_dim("cat_outputs_cp", x, seq_dim, cp_group)
+    if dim is None:
         return x
-    what = "cat_outputs_cp"
-    check_tensor(what, x)
-    check_group(cp_group, what)
-    n = cp_group.size()
-    dim = normalize_dim(what, x.shape, seq_dim, n)
-    if n == 1:
-        return x
-    if debug.enabled():
-        debug.check_same(what, x, cp_group)
     with torch.no_grad():
-        return _gather_cat(x, dim, cp_group, n)
+        return _gather_cat(x, dim, cp_group, cp_group.size())
 
 
 class _GatherKeepLocalGrad(torch.autograd.Function):
@@ -120,18 +127,10 @@ def cat_outputs_cp_with_grad(x: torch.Tensor, seq_dim: int, cp_group: Any = None
     The gradient of the result's slice that came from this rank flows back into ``x``; the slices
     gathered from other ranks are constants here (their gradients are not sent back to their owners).
     """
-    if cp_group is None:
+    dim = _gather_dim("cat_outputs_cp_with_grad", x, seq_dim, cp_group)
+    if dim is None:
         return x
-    what = "cat_outputs_cp_with_grad"
-    check_tensor(what, x)
-    check_group(cp_group, what)
-    n = cp_group.size()
-    dim = normalize_dim(what, x.shape, seq_dim, n)
-    if n == 1:
-        return x
-    if debug.enabled():
-        debug.check_same(what, x, cp_group)
-    return _GatherKeepLocalGrad.apply(x, dim, cp_group, n)
+    return _GatherKeepLocalGrad.apply(x, dim, cp_group, cp_group.size())
 
 
 #: Below this many bytes of result, gloo gathers with one all-gather: n broadcasts cost n round trips,
