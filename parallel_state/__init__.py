@@ -67,7 +67,7 @@ from parallel_state.accessors import (  # noqa: F401  (re-exported API)
     set_virtual_pipeline_model_parallel_world_size,
 )
 from parallel_state.bridge import bridge_megatron  # noqa: F401
-from parallel_state.errors import ParallelStateError, ParallelStateWarning  # noqa: F401
+from parallel_state.errors import ParallelStateError, ParallelStateTypeError, ParallelStateWarning  # noqa: F401
 from parallel_state.initialize import destroy_model_parallel, initialize_model_parallel  # noqa: F401
 from parallel_state.launch import LaunchInfo, detect_launch  # noqa: F401
 from parallel_state.log import print_per_rank, print_rank_0  # noqa: F401

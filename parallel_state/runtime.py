@@ -137,6 +137,7 @@ def dist_init(
     )
     import torch.distributed as dist
 
+    from parallel_state.consistency import check_same_everywhere
     from parallel_state.initialize import destroy_model_parallel, initialize_model_parallel
     from parallel_state.launch import detect_launch
     from parallel_state.log import print_rank_0
@@ -150,11 +151,9 @@ def dist_init(
                 f"torch.distributed is already initialized with backend {running!r}, but dist_init was "
                 f"asked for {backend!r}; ask for {running!r} or start torch.distributed with {backend!r}"
             )
-        _check_sizes(cp, pp, dist.get_world_size())
     else:
         check_backend_available(backend)
         info = detect_launch()
-        _check_sizes(cp, pp, info.world_size)
         if "nccl" in backend.lower():
             import torch
 
@@ -168,6 +167,11 @@ def dist_init(
         started = True
     built = False
     try:
+        # Before the size check, so that a rank launched with other values is named on every rank
+        # instead of failing alone and leaving the others waiting.
+        check_same_everywhere("dist_init", {"distributed_backend": backend.lower(), "cp_size": cp, "pp_size": pp,
+                                            "timeout_seconds": timeout.total_seconds()}, timeout=timeout)
+        _check_sizes(cp, pp, dist.get_world_size())
         if _st.peek() is None:
             initialize_model_parallel(context_parallel_size=cp, pipeline_model_parallel_size=pp,
                                       order=DIST_INIT_ORDER, timeout=timeout)

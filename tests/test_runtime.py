@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -322,6 +323,24 @@ def test_dist_init_errors_leave_nothing_behind(pools):
         assert errors["minutes"][0] == "ValueError" and "distributed_timeout_minutes" in errors["minutes"][1]
         assert errors["timeout"][0] == "TypeError" and "datetime.timedelta" in errors["timeout"][1]
         assert errors["hook"] == ("RuntimeError", "hook failed") and errors["hook_left_groups"] is False
+
+
+def case_dist_init_mismatch():
+    import torch.distributed as dist
+
+    odd = dist.get_rank() == 3  # launched with other values than the rest
+    try:
+        ps.dist_init(distributed_backend="gloo", cp_size=1 if odd else 2, pp_size=4 if odd else 2,
+                     timeout=datetime.timedelta(seconds=20))
+    except ParallelStateError as exc:
+        return str(exc), ps.is_initialized()
+    return None, ps.is_initialized()
+
+
+def test_dist_init_names_the_rank_launched_with_other_values(pools):
+    for message, initialized in pools(4).run(case_dist_init_mismatch):
+        assert message is not None and initialized is False
+        assert "dist_init" in message and "rank 3" in message and "cp_size" in message, message
 
 
 def case_manager_adopts_running_world():
