@@ -44,8 +44,8 @@ def _group_getter(kind: str, label: str) -> Callable[..., Any]:
     return get
 
 
-def _rank_getter(kind: str, label: str, override: str | None = None,
-                 cp_kind: str | None = None, zero_without_dist: bool = False) -> Callable[..., int]:
+def _number_getter(kind: str, label: str, override: str | None, cp_kind: str | None, zero_without_dist: bool,
+                   answer: Callable[[_st.ParallelState, str], int], noun: str) -> Callable[..., int]:
     def get(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
         _no_partial(partial_data_parallel)
         which = _kind(kind, cp_kind, with_context_parallel)
@@ -53,23 +53,23 @@ def _rank_getter(kind: str, label: str, override: str | None = None,
             return _st.overrides[override]
         if zero_without_dist and not _dist_ready():
             return 0
-        return _st.current(f"get the {label} rank").group_rank(which)
+        return answer(_st.current(f"get the {label} {noun}"), which)
 
+    return get
+
+
+def _rank_getter(kind: str, label: str, override: str | None = None,
+                 cp_kind: str | None = None, zero_without_dist: bool = False) -> Callable[..., int]:
+    get = _number_getter(kind, label, override, cp_kind, zero_without_dist,
+                         lambda state, which: state.group_rank(which), "rank")
     get.__doc__ = f"This rank's index in its {label} group."
     return get
 
 
 def _size_getter(kind: str, label: str, override: str | None = None,
                  cp_kind: str | None = None, zero_without_dist: bool = False) -> Callable[..., int]:
-    def get(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
-        _no_partial(partial_data_parallel)
-        which = _kind(kind, cp_kind, with_context_parallel)
-        if override and override in _st.overrides:
-            return _st.overrides[override]
-        if zero_without_dist and not _dist_ready():
-            return 0
-        return _st.current(f"get the {label} world size").plan.group_size(which)
-
+    get = _number_getter(kind, label, override, cp_kind, zero_without_dist,
+                         lambda state, which: state.plan.group_size(which), "world size")
     get.__doc__ = f"Number of ranks in this rank's {label} group."
     return get
 
