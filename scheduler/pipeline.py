@@ -36,7 +36,7 @@ class PPScheduler:
 
         state = _st.peek()
         if state is None:
-            raise ParallelStateError(f"PPScheduler needs the model-parallel groups: {_INIT_HINT}")
+            raise ParallelStateError(f"the pipeline scheduler is not initialized: {_INIT_HINT}")
         if ps.get_pipeline_model_parallel_world_size() < 2:
             raise ParallelStateError(
                 "the pipeline has a single stage (pipeline_model_parallel_size=1), so a PPScheduler has "
@@ -149,15 +149,7 @@ def pp_scheduler() -> PPScheduler:
     """The process's pipeline scheduler, created on first use once the pipeline groups exist."""
     if _scheduler is not None:
         return _scheduler
-    state = _st.peek()
-    if state is None:
-        raise ParallelStateError(f"the pipeline scheduler is not initialized: {_INIT_HINT}")
-    if ps.get_pipeline_model_parallel_world_size() < 2:
-        raise ParallelStateError(
-            "there is no pipeline scheduler: the pipeline has a single stage (pp_size=1); "
-            "initialize with pp_size > 1 to pass activations between stages"
-        )
-    return init_pp_scheduler()
+    return init_pp_scheduler()  # PPScheduler explains why when the groups or the stages are missing
 
 
 def _on_dist_init() -> None:
