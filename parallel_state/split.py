@@ -12,6 +12,8 @@ import operator
 import sys
 from typing import Any, Sequence
 
+from parallel_state.state import register_teardown_hook
+
 _MEGATRON = "megatron.core.parallel_state"
 
 
@@ -128,14 +130,16 @@ def mirror_cp_size_t() -> None:
     megatron = sys.modules.get(_MEGATRON)
     if pkg is None or megatron is None or "cp_size_t" not in vars(pkg):
         return
-    from parallel_state.state import register_teardown_hook
-
     megatron.cp_size_t = pkg.cp_size_t
-    register_teardown_hook(_forget_megatron_cp_size_t)
 
 
-def _forget_megatron_cp_size_t() -> None:
-    # The package's own cp_size_t is removed by state.teardown(); megatron's copy is ours to remove.
-    megatron = sys.modules.get(_MEGATRON)
-    if megatron is not None and "cp_size_t" in vars(megatron):
-        delattr(megatron, "cp_size_t")
+def _forget_cp_size_t() -> None:
+    # destroy_model_parallel() removes cp_size_t, ours and megatron-core's copy, so that a rebuilt
+    # topology never reads a stale value.
+    for name in ("parallel_state", _MEGATRON):
+        module = sys.modules.get(name)
+        if module is not None and "cp_size_t" in vars(module):
+            delattr(module, "cp_size_t")
+
+
+register_teardown_hook(_forget_cp_size_t)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -159,9 +158,6 @@ def teardown() -> None:
             hook()
         except BaseException as exc:  # keep tearing down; report after
             errors.append(exc)
-    pkg = sys.modules.get("parallel_state")
-    if pkg is not None and "cp_size_t" in vars(pkg):
-        delattr(pkg, "cp_size_t")
     if state is not None:
         owned, state.owned = state.owned, []
         state.groups.clear()  # hand every reference to destroy_groups, which frees the groups
