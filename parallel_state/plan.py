@@ -54,8 +54,8 @@ def normalize_order(order: str, sizes: dict[str, int]) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class TopologyPlan:
-    """A validated topology: world size, the size of each dimension and their order.
+class Grid:
+    """One rank layout (megatron-core's ``RankGenerator``): world size, each dimension's size, their order.
 
     Every question about groups is answered arithmetically, in time proportional to the size
     of the answer, never to the world size.
@@ -181,3 +181,7 @@ class TopologyPlan:
         """Whether every rank's group of ``kind_a`` equals its group of ``kind_b``."""
         a, b = set(self._kind_dims(kind_a)), set(self._kind_dims(kind_b))
         return all(self.size(d) == 1 for d in a ^ b)
+
+
+#: Until the plan composes a decoder and an expert grid, the plan is one grid.
+TopologyPlan = Grid
