@@ -10,6 +10,7 @@ The runtime: ``launch`` (launcher detection), ``manager`` (DistributedManager), 
 
 from parallel_state.accessors import (  # noqa: F401  (re-exported API)
     get_all_ranks,
+    get_amax_reduction_group,
     get_context_parallel_global_ranks,
     get_context_parallel_group,
     get_context_parallel_rank,
@@ -17,6 +18,7 @@ from parallel_state.accessors import (  # noqa: F401  (re-exported API)
     get_cp_group,
     get_cp_rank,
     get_cp_world_size,
+    get_data_modulo_expert_parallel_group,
     get_data_parallel_group,
     get_data_parallel_group_gloo,
     get_data_parallel_rank,
@@ -26,6 +28,26 @@ from parallel_state.accessors import (  # noqa: F401  (re-exported API)
     get_dp_group_gloo,
     get_dp_rank,
     get_dp_world_size,
+    get_embedding_group,
+    get_expert_data_parallel_group,
+    get_expert_data_parallel_group_gloo,
+    get_expert_data_parallel_rank,
+    get_expert_data_parallel_world_size,
+    get_expert_model_parallel_group,
+    get_expert_model_parallel_rank,
+    get_expert_model_parallel_src_rank,
+    get_expert_model_parallel_world_size,
+    get_expert_tensor_and_model_parallel_group,
+    get_expert_tensor_and_model_parallel_rank,
+    get_expert_tensor_and_model_parallel_world_size,
+    get_expert_tensor_model_pipeline_parallel_group,
+    get_expert_tensor_parallel_group,
+    get_expert_tensor_parallel_rank,
+    get_expert_tensor_parallel_world_size,
+    get_hierarchical_context_parallel_groups,
+    get_hybrid_data_context_parallel_groups,
+    get_inter_distributed_optimizer_instance_group,
+    get_intra_distributed_optimizer_instance_group,
     get_model_parallel_group,
     get_model_parallel_src_rank,
     get_pipeline_model_parallel_first_rank,
@@ -35,6 +57,7 @@ from parallel_state.accessors import (  # noqa: F401  (re-exported API)
     get_pipeline_model_parallel_prev_rank,
     get_pipeline_model_parallel_rank,
     get_pipeline_model_parallel_world_size,
+    get_position_embedding_group,
     get_pp_group,
     get_pp_rank,
     get_pp_world_size,
@@ -53,12 +76,19 @@ from parallel_state.accessors import (  # noqa: F401  (re-exported API)
     get_tp_world_size,
     get_virtual_pipeline_model_parallel_rank,
     get_virtual_pipeline_model_parallel_world_size,
+    has_separate_all_gather_group,
     is_initialized,
     is_pipeline_first_stage,
     is_pipeline_last_stage,
+    is_rank_in_embedding_group,
+    is_rank_in_position_embedding_group,
     is_unitialized,
     model_parallel_is_initialized,
     set_data_parallel_rank,
+    set_expert_model_parallel_rank,
+    set_expert_model_parallel_world_size,
+    set_expert_tensor_parallel_rank,
+    set_expert_tensor_parallel_world_size,
     set_pipeline_model_parallel_rank,
     set_pipeline_model_parallel_world_size,
     set_tensor_model_parallel_rank,
@@ -67,12 +97,22 @@ from parallel_state.accessors import (  # noqa: F401  (re-exported API)
     set_virtual_pipeline_model_parallel_world_size,
 )
 from parallel_state.bridge import bridge_megatron  # noqa: F401
-from parallel_state.errors import ParallelStateError, ParallelStateTypeError, ParallelStateWarning  # noqa: F401
+from parallel_state.errors import (  # noqa: F401
+    ParallelStateAssertionError,
+    ParallelStateError,
+    ParallelStateTypeError,
+    ParallelStateWarning,
+)
 from parallel_state.initialize import destroy_model_parallel, initialize_model_parallel  # noqa: F401
 from parallel_state.launch import LaunchInfo, detect_launch  # noqa: F401
 from parallel_state.log import print_per_rank, print_rank_0  # noqa: F401
 from parallel_state.manager import DistributedManager  # noqa: F401
-from parallel_state.plan import DEFAULT_ORDER, TopologyPlan  # noqa: F401
+from parallel_state.plan import (  # noqa: F401
+    DEFAULT_ORDER,
+    TopologyPlan,
+    default_embedding_ranks,
+    default_position_embedding_ranks,
+)
 from parallel_state.resolve import collective_device, resolve_global_rank, resolve_world_size  # noqa: F401
 from parallel_state.runtime import (  # noqa: F401
     dist_init,
@@ -82,3 +122,14 @@ from parallel_state.runtime import (  # noqa: F401
 )
 from parallel_state.split import find_split  # noqa: F401
 from parallel_state.state import register_teardown_hook  # noqa: F401
+
+
+def __getattr__(name: str) -> object:
+    """megatron-core's private globals (``_TENSOR_MODEL_PARALLEL_GROUP``, ...), read live from the state."""
+    import importlib
+
+    # Not ``from parallel_state import ...``: that looks the submodule up here first and recurses.
+    megatron_globals = importlib.import_module("parallel_state.megatron_globals")
+    if name in megatron_globals.NAMES:
+        return megatron_globals.value(name)
+    raise AttributeError(f"module 'parallel_state' has no attribute {name!r}")

@@ -1,101 +1,85 @@
-"""megatron-core's parallel-state accessors, as thin reads of the one live state object.
+"""megatron-core's parallel-state accessors, each a lookup in the precomputed answers.
 
-Most accessors repeat one of a few shapes (a group, a rank in it, its size, its global ranks)
-for a group kind; they are made by the factories below, one line each. Ranks and sizes come
-from the plan, so they cost no call into torch. As in megatron-core, the data- and
-context-parallel ranks and sizes read 0 while torch.distributed is not initialized.
+The answers (``parallel_state.answers``) are computed when the groups are built and when an
+override changes, so a call costs one dict lookup; arguments are validated only off the
+default path. Most accessors repeat one of a few shapes and are made by the factories below,
+one line each, with megatron-core's parameter names and defaults.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 from parallel_state import state as _st
+from parallel_state.answers import ANSWERS as _A
 from parallel_state.arguments import flag, non_negative_int, positive_int
-from parallel_state.errors import ParallelStateError
+from parallel_state.errors import ParallelStateAssertionError
 
 
-def _dist_ready() -> bool:
-    import torch.distributed as dist
+def _value(key: str, doc: str) -> Callable[[], Any]:
+    def get() -> Any:
+        return _A[key]
 
-    return dist.is_available() and dist.is_initialized()
-
-
-def _kind(kind: str, cp_kind: str | None, with_context_parallel: bool) -> str:
-    return cp_kind if (flag("with_context_parallel", with_context_parallel) and cp_kind) else kind
+    get.__doc__ = doc
+    return get
 
 
-def _no_partial(partial_data_parallel: bool) -> None:
-    if flag("partial_data_parallel", partial_data_parallel):
-        raise NotImplementedError("partial data parallel groups are not supported; pass partial_data_parallel=False")
-
-
-def _group_getter(kind: str, label: str) -> Callable[..., Any]:
+def _group(key: str, doc: str) -> Callable[..., Any]:
     def get(check_initialized: bool = True) -> Any:
-        check = flag("check_initialized", check_initialized)
-        state = _st.peek()
-        if state is None:
-            if check:
-                _st.current(f"get the {label} group")
-            return None
-        return state.groups[kind]
+        if check_initialized is True:
+            return _A[key]
+        return _A[key] if flag("check_initialized", check_initialized) else _A.get(key)
 
-    get.__doc__ = f"This rank's {label} group."
+    get.__doc__ = doc
     return get
 
 
-def _number_getter(kind: str, label: str, override: str | None, cp_kind: str | None, zero_without_dist: bool,
-                   answer: Callable[[_st.ParallelState, str], int], noun: str) -> Callable[..., int]:
+def _dp_key(what: str, with_context_parallel: Any, partial_data_parallel: Any) -> str:
+    if flag("with_context_parallel", with_context_parallel):
+        return f"dp-cp-intra.{what}" if flag("partial_data_parallel", partial_data_parallel) else f"dp-cp.{what}"
+    if flag("partial_data_parallel", partial_data_parallel):
+        raise ParallelStateAssertionError(
+            "partial data parallelism (distributed-optimizer instances) includes context parallelism: "
+            "pass with_context_parallel=True together with partial_data_parallel=True"
+        )
+    return f"dp.{what}"
+
+
+def _dp_number(what: str, doc: str) -> Callable[..., int]:
+    key = f"dp.{what}"
+
     def get(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
-        _no_partial(partial_data_parallel)
-        which = _kind(kind, cp_kind, with_context_parallel)
-        if override and override in _st.overrides:
-            return _st.overrides[override]
-        if zero_without_dist and not _dist_ready():
-            return 0
-        return answer(_st.current(f"get the {label} {noun}"), which)
+        if with_context_parallel is False and partial_data_parallel is False:
+            return _A[key]
+        return _A[_dp_key(what, with_context_parallel, partial_data_parallel)]
 
+    get.__doc__ = doc
     return get
 
 
-def _rank_getter(kind: str, label: str, override: str | None = None,
-                 cp_kind: str | None = None, zero_without_dist: bool = False) -> Callable[..., int]:
-    get = _number_getter(kind, label, override, cp_kind, zero_without_dist,
-                         lambda state, which: state.group_rank(which), "rank")
-    get.__doc__ = f"This rank's index in its {label} group."
+def _edp_number(what: str, doc: str) -> Callable[..., int]:
+    key = f"edp.{what}"
+
+    def get(partial_expert_data_parallel: bool = False) -> int:
+        if partial_expert_data_parallel is False:
+            return _A[key]
+        return _A[f"edp-intra.{what}" if flag("partial_expert_data_parallel", partial_expert_data_parallel)
+                  else f"edp.{what}"]
+
+    get.__doc__ = doc
     return get
 
 
-def _size_getter(kind: str, label: str, override: str | None = None,
-                 cp_kind: str | None = None, zero_without_dist: bool = False) -> Callable[..., int]:
-    get = _number_getter(kind, label, override, cp_kind, zero_without_dist,
-                         lambda state, which: state.plan.group_size(which), "world size")
-    get.__doc__ = f"Number of ranks in this rank's {label} group."
-    return get
+def _setter(key: str, param: str) -> Callable[[Any], None]:
+    # megatron-core's parameter names (rank / world_size), so keyword calls keep working.
+    def set_rank(rank: int | None) -> None:
+        _st.set_override(key, None if rank is None else non_negative_int(key, rank))
 
+    def set_world_size(world_size: int | None) -> None:
+        _st.set_override(key, None if world_size is None else positive_int(key, world_size))
 
-def _ranks_getter(kind: str, label: str, cp_kind: str | None = None) -> Callable[..., list[int]]:
-    def get(with_context_parallel: bool = False, check_initialized: bool = True) -> Any:
-        which = _kind(kind, cp_kind, with_context_parallel)
-        if _st.peek() is None and not flag("check_initialized", check_initialized):
-            return None
-        flag("check_initialized", check_initialized)
-        state = _st.current(f"get the {label} ranks")
-        return list(state.ranks(which))
-
-    get.__doc__ = f"Global ranks of this rank's {label} group."
-    return get
-
-
-def _setter(key: str) -> Callable[[Any], None]:
-    check = positive_int if key.endswith("world_size") else non_negative_int
-
-    def set_(value: Any) -> None:
-        if value is None:
-            _st.overrides.pop(key, None)
-        else:
-            _st.overrides[key] = check(key, value)
-
+    set_ = set_rank if param == "rank" else set_world_size
     set_.__doc__ = f"Override the {key.replace('_', ' ')} (megatron-core's testing hook); None clears it."
     return set_
 
@@ -104,196 +88,249 @@ def _setter(key: str) -> Callable[[Any], None]:
 
 def is_initialized() -> bool:
     """Whether the model-parallel groups exist (megatron-core: the data-parallel group is set)."""
-    return _st.peek() is not None
+    return "initialized" in _A
 
 
 def model_parallel_is_initialized() -> bool:
     """Whether the tensor-, pipeline- and data-parallel groups exist."""
-    return _st.peek() is not None
+    return "initialized" in _A
 
 
 def is_unitialized() -> bool:
     """Deprecated megatron-core spelling of ``not is_initialized()``."""
-    import warnings
-
     warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, stacklevel=2)
     return not is_initialized()
 
 
 # --- groups ----------------------------------------------------------------------------------
 
-get_model_parallel_group = _group_getter("tp-pp", "model-parallel (tp-pp)")
-get_tensor_model_parallel_group = _group_getter("tp", "tensor-model-parallel")
-get_pipeline_model_parallel_group = _group_getter("pp", "pipeline-model-parallel")
-get_context_parallel_group = _group_getter("cp", "context-parallel")
-get_tensor_and_context_parallel_group = _group_getter("tp-cp", "tensor-and-context-parallel")
+get_model_parallel_group = _group("tp-pp.group", "This rank's model-parallel (tp x pp) group.")
+get_tensor_model_parallel_group = _group("tp.group", "This rank's tensor-model-parallel group.")
+get_pipeline_model_parallel_group = _group("pp.group", "This rank's pipeline-model-parallel group.")
+get_context_parallel_group = _group("cp.group", "This rank's context-parallel group.")
+get_tensor_and_context_parallel_group = _group("tp-cp.group", "This rank's tensor x context-parallel group.")
+get_embedding_group = _group("embd.group", "This rank's embedding group (the stages holding word embeddings).")
+get_position_embedding_group = _group("pos-embd.group", "This rank's position-embedding group.")
+get_context_parallel_global_ranks = _group("cp.ranks", "Global ranks of this rank's context-parallel group.")
+get_hierarchical_context_parallel_groups = _group(
+    "hcp.groups", "This rank's hierarchical context-parallel groups, innermost level first.")
+get_expert_model_parallel_group = _group("ep.group", "This rank's expert-model-parallel group.")
+get_expert_tensor_parallel_group = _group("etp.group", "This rank's expert-tensor-parallel group.")
+get_expert_tensor_and_model_parallel_group = _group("etp-ep.group", "This rank's expert tp x ep group.")
+get_expert_tensor_model_pipeline_parallel_group = _group(
+    "etp-ep-pp.group", "This rank's expert tp x ep x pp group.")
+get_intra_distributed_optimizer_instance_group = _group(
+    "dist-opt.group", "The group of every rank in this rank's distributed-optimizer instance.")
+get_inter_distributed_optimizer_instance_group = _group(
+    "edp-inter.group", "The group spanning the distributed-optimizer instances (one rank of each).")
 
 
 def get_data_parallel_group(with_context_parallel: bool = False, partial_data_parallel: bool = False,
                             independent_all_gather: bool = False) -> Any:
-    """This rank's data-parallel group (dp x cp with ``with_context_parallel``)."""
-    _no_partial(partial_data_parallel)
-    if flag("independent_all_gather", independent_all_gather):
-        raise NotImplementedError("separate all-gather groups are not supported; pass independent_all_gather=False")
-    return _st.current("get the data-parallel group").groups[_kind("dp", "dp-cp", with_context_parallel)]
+    """This rank's data-parallel group (dp x cp with ``with_context_parallel``; its instance's part, or
+    the separate all-gather group, on request)."""
+    if with_context_parallel is False and partial_data_parallel is False and independent_all_gather is False:
+        return _A["dp.group"]
+    cp, partial = flag("with_context_parallel", with_context_parallel), flag("partial_data_parallel", partial_data_parallel)
+    if flag("independent_all_gather", independent_all_gather) and cp and not partial:
+        return _A["dp-cp-ag.group"]
+    return _A[_dp_key("group", cp, partial)]
+
+
+def has_separate_all_gather_group() -> bool:
+    """Whether initialize made a separate dp x cp group for all-gathers (create_all_gather_group=True)."""
+    return _A.get("dp-cp-ag.group") is not None
 
 
 def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> Any:
     """This rank's gloo data-parallel group (dp x cp with ``with_context_parallel``)."""
-    _no_partial(partial_data_parallel)
-    kind = _kind("dp", "dp-cp", with_context_parallel)
-    state = _st.current("get the gloo data-parallel group")
-    if not state.gloo_groups:
-        raise ParallelStateError(
-            "the gloo data-parallel group was not created: initialize_model_parallel was called "
-            "with create_gloo_process_groups=False; initialize with create_gloo_process_groups=True to have it"
-        )
-    return state.gloo_groups[kind]
+    if with_context_parallel is False and partial_data_parallel is False:
+        return _A["dp.gloo"]
+    return _A[_dp_key("gloo", with_context_parallel, partial_data_parallel)]
 
 
 def get_tensor_and_data_parallel_group(check_initialized: bool = True, with_context_parallel: bool = False) -> Any:
     """This rank's tp x dp group (tp x dp x cp with ``with_context_parallel``)."""
-    kind = _kind("tp-dp", "tp-dp-cp", with_context_parallel)
+    key = "tp-dp-cp.group" if flag("with_context_parallel", with_context_parallel) else "tp-dp.group"
+    return _A[key] if flag("check_initialized", check_initialized) else _A.get(key)
+
+
+def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_red: bool = False) -> Any:
+    """The FP8 amax-reduction group: tp x dp (x cp), or tp (x cp) with ``tp_only_amax_red``."""
+    cp = flag("with_context_parallel", with_context_parallel)
+    if flag("tp_only_amax_red", tp_only_amax_red):
+        return _A["tp-cp.group" if cp else "tp.group"]
+    return _A["tp-dp-cp.group" if cp else "tp-dp.group"]
+
+
+def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, group_size: int | None = None) -> Any:
+    """The hybrid context-parallel group of ``group_size`` ranks holding this rank (dp x cp itself at full size)."""
     check = flag("check_initialized", check_initialized)
-    state = _st.peek()
-    if state is None:
-        if check:
-            _st.current("get the tensor-and-data-parallel group")
+    if not check and "initialized" not in _A:
         return None
-    return state.groups[kind]
+    if group_size == get_data_parallel_world_size(with_context_parallel=True):
+        return _A["dp-cp.group"] if check else _A.get("dp-cp.group")
+    groups = _A["hybrid.groups"] if check else _A.get("hybrid.groups")
+    if groups is None:
+        return None
+    if group_size not in groups:
+        raise ParallelStateAssertionError(
+            f"no hybrid context-parallel group of {group_size!r} ranks: "
+            + (f"the sizes built are {sorted(groups)} and {get_data_parallel_world_size(with_context_parallel=True)}"
+               if groups else "initialize with hybrid_context_parallel=True to have them")
+        )
+    return groups[group_size]
 
 
-_cp_global_ranks = _ranks_getter("cp", "context-parallel")
+def get_expert_data_parallel_group(check_initialized: bool = True, partial_expert_data_parallel: bool = False) -> Any:
+    """This rank's expert data-parallel group (its instance's part with ``partial_expert_data_parallel``)."""
+    key = "edp-intra.group" if flag("partial_expert_data_parallel", partial_expert_data_parallel) else "edp.group"
+    return _A[key] if flag("check_initialized", check_initialized) else _A.get(key)
 
 
-def get_context_parallel_global_ranks(check_initialized: bool = True) -> Any:
-    """Global ranks of this rank's context-parallel group."""
-    return _cp_global_ranks(check_initialized=check_initialized)
+def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = False) -> Any:
+    """Deprecated megatron-core name of get_expert_data_parallel_group."""
+    warnings.warn("get_data_modulo_expert_parallel_group is deprecated, please use "
+                  "get_expert_data_parallel_group instead.", DeprecationWarning, stacklevel=2)
+    return get_expert_data_parallel_group(partial_expert_data_parallel=partial_expert_data_parallel)
+
+
+def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False) -> Any:
+    """This rank's gloo expert data-parallel group."""
+    return _A["edp-intra.gloo" if flag("partial_expert_data_parallel", partial_expert_data_parallel) else "edp.gloo"]
 
 
 # --- ranks and sizes -------------------------------------------------------------------------
 
-get_tensor_model_parallel_world_size = _size_getter("tp", "tensor-model-parallel", "tensor_model_parallel_world_size")
-get_tensor_model_parallel_rank = _rank_getter("tp", "tensor-model-parallel", "tensor_model_parallel_rank")
-get_pipeline_model_parallel_world_size = _size_getter("pp", "pipeline-model-parallel", "pipeline_model_parallel_world_size")
-get_pipeline_model_parallel_rank = _rank_getter("pp", "pipeline-model-parallel", "pipeline_model_parallel_rank")
-get_data_parallel_world_size = _size_getter("dp", "data-parallel", "data_parallel_world_size", "dp-cp", True)
-get_data_parallel_rank = _rank_getter("dp", "data-parallel", "data_parallel_rank", "dp-cp", True)
-get_context_parallel_world_size = _size_getter("cp", "context-parallel", zero_without_dist=True)
-get_context_parallel_rank = _rank_getter("cp", "context-parallel", zero_without_dist=True)
-get_tensor_and_context_parallel_world_size = _size_getter("tp-cp", "tensor-and-context-parallel", zero_without_dist=True)
-get_tensor_and_context_parallel_rank = _rank_getter("tp-cp", "tensor-and-context-parallel", zero_without_dist=True)
+get_tensor_model_parallel_world_size = _value("tp.size", "Number of ranks in this rank's tensor-parallel group.")
+get_tensor_model_parallel_rank = _value("tp.rank", "This rank's index in its tensor-parallel group.")
+get_pipeline_model_parallel_world_size = _value("pp.size", "Number of pipeline stages.")
+get_pipeline_model_parallel_rank = _value("pp.rank", "This rank's pipeline stage.")
+get_context_parallel_world_size = _value("cp.size", "Number of ranks in this rank's context-parallel group.")
+get_context_parallel_rank = _value("cp.rank", "This rank's index in its context-parallel group.")
+get_tensor_and_context_parallel_world_size = _value("tp-cp.size", "Number of ranks in this rank's tp x cp group.")
+get_tensor_and_context_parallel_rank = _value("tp-cp.rank", "This rank's index in its tp x cp group.")
+get_data_parallel_world_size = _dp_number("size", "Number of ranks in this rank's data-parallel group.")
+get_data_parallel_rank = _dp_number("rank", "This rank's index in its data-parallel group.")
+get_expert_model_parallel_world_size = _value("ep.size", "Number of ranks in this rank's expert-parallel group.")
+get_expert_model_parallel_rank = _value("ep.rank", "This rank's index in its expert-parallel group.")
+get_expert_tensor_parallel_world_size = _value("etp.size", "Number of ranks in this rank's expert-tensor group.")
+get_expert_tensor_parallel_rank = _value("etp.rank", "This rank's index in its expert-tensor-parallel group.")
+get_expert_tensor_and_model_parallel_world_size = _value("etp-ep.size", "Size of this rank's expert tp x ep group.")
+get_expert_tensor_and_model_parallel_rank = _value("etp-ep.rank", "This rank's index in its expert tp x ep group.")
+get_expert_data_parallel_world_size = _edp_number("size", "Number of ranks in this rank's expert data-parallel group.")
+get_expert_data_parallel_rank = _edp_number("rank", "This rank's index in its expert data-parallel group.")
+get_virtual_pipeline_model_parallel_world_size = _value(
+    "vpp.size", "The interleaved schedule's number of model chunks per stage, or None.")
+get_virtual_pipeline_model_parallel_rank = _value("vpp.rank", "The interleaved schedule's current model chunk, or None.")
 
-set_tensor_model_parallel_world_size = _setter("tensor_model_parallel_world_size")
-set_tensor_model_parallel_rank = _setter("tensor_model_parallel_rank")
-set_pipeline_model_parallel_world_size = _setter("pipeline_model_parallel_world_size")
-set_pipeline_model_parallel_rank = _setter("pipeline_model_parallel_rank")
-set_data_parallel_rank = _setter("data_parallel_rank")
-
-
-def get_tensor_model_parallel_src_rank() -> int:
-    """Global rank of the first member of this rank's tensor-model-parallel group."""
-    return _st.current("get_tensor_model_parallel_src_rank").ranks("tp")[0]
-
-
-def get_model_parallel_src_rank() -> int:
-    """Global rank of the first member of this rank's model-parallel (tp-pp) group."""
-    return _st.current("get_model_parallel_src_rank").ranks("tp-pp")[0]
+get_tensor_model_parallel_src_rank = _value("tp.src", "First global rank of this rank's tensor-parallel group.")
+get_model_parallel_src_rank = _value("tp-pp.src", "Global rank of the first member of this rank's tp x pp group.")
+get_expert_model_parallel_src_rank = _value("ep.src", "First global rank of this rank's expert-parallel group.")
+get_pipeline_model_parallel_first_rank = _value("pp.first", "Global rank of the first stage of this rank's pipeline.")
+get_pipeline_model_parallel_last_rank = _value("pp.last", "Global rank of the last stage of this rank's pipeline.")
+get_pipeline_model_parallel_next_rank = _value(
+    "pp.next", "Global rank of the next stage; the last stage's next is the first (a ring).")
+get_pipeline_model_parallel_prev_rank = _value(
+    "pp.prev", "Global rank of the previous stage; the first stage's previous is the last (a ring).")
+get_all_ranks = _value("all_ranks", "This rank's tp, dp, cp, pp and ep ranks joined by '_' (megatron-core's format).")
 
 
 def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
     """Global rank of the first member of this rank's data-parallel group."""
-    return _st.current("get_data_parallel_src_rank").ranks(_kind("dp", "dp-cp", with_context_parallel))[0]
+    return _A["dp-cp.src" if flag("with_context_parallel", with_context_parallel) else "dp.src"]
 
 
-# --- pipeline --------------------------------------------------------------------------------
-
-def _pipeline_neighbour(step: int, what: str) -> int:
-    state = _st.current(what)
-    ranks = state.ranks("pp")
-    return ranks[(get_pipeline_model_parallel_rank() + step) % len(ranks)]
-
-
-def get_pipeline_model_parallel_first_rank() -> int:
-    """Global rank of the first stage of this rank's pipeline."""
-    return _st.current("get_pipeline_model_parallel_first_rank").ranks("pp")[0]
-
-
-def get_pipeline_model_parallel_last_rank() -> int:
-    """Global rank of the last stage of this rank's pipeline."""
-    return _st.current("get_pipeline_model_parallel_last_rank").ranks("pp")[get_pipeline_model_parallel_world_size() - 1]
+set_tensor_model_parallel_world_size = _setter("tensor_model_parallel_world_size", "world_size")
+set_tensor_model_parallel_rank = _setter("tensor_model_parallel_rank", "rank")
+set_pipeline_model_parallel_world_size = _setter("pipeline_model_parallel_world_size", "world_size")
+set_pipeline_model_parallel_rank = _setter("pipeline_model_parallel_rank", "rank")
+set_data_parallel_rank = _setter("data_parallel_rank", "rank")
+set_virtual_pipeline_model_parallel_world_size = _setter("virtual_pipeline_model_parallel_world_size", "world_size")
+set_virtual_pipeline_model_parallel_rank = _setter("virtual_pipeline_model_parallel_rank", "rank")
+set_expert_model_parallel_world_size = _setter("expert_model_parallel_world_size", "world_size")
+set_expert_model_parallel_rank = _setter("expert_model_parallel_rank", "rank")
+set_expert_tensor_parallel_world_size = _setter("expert_tensor_parallel_world_size", "world_size")
+set_expert_tensor_parallel_rank = _setter("expert_tensor_parallel_rank", "rank")
 
 
-def get_pipeline_model_parallel_next_rank() -> int:
-    """Global rank of the next stage; the last stage's next is the first (a ring)."""
-    return _pipeline_neighbour(1, "get_pipeline_model_parallel_next_rank")
-
-
-def get_pipeline_model_parallel_prev_rank() -> int:
-    """Global rank of the previous stage; the first stage's previous is the last (a ring)."""
-    return _pipeline_neighbour(-1, "get_pipeline_model_parallel_prev_rank")
-
-
-def get_virtual_pipeline_model_parallel_world_size() -> int | None:
-    """The interleaved schedule's number of model chunks per stage, or None."""
-    state = _st.peek()
-    return _st.overrides.get("virtual_pipeline_model_parallel_world_size",
-                             state.virtual_pipeline_size if state else None)
-
-
-def get_virtual_pipeline_model_parallel_rank() -> int | None:
-    """The current model chunk of the interleaved schedule, or None."""
-    state = _st.peek()
-    return _st.overrides.get("virtual_pipeline_model_parallel_rank",
-                             state.virtual_pipeline_rank if state else None)
-
-
-set_virtual_pipeline_model_parallel_world_size = _setter("virtual_pipeline_model_parallel_world_size")
-set_virtual_pipeline_model_parallel_rank = _setter("virtual_pipeline_model_parallel_rank")
-
+# --- pipeline stages -------------------------------------------------------------------------
 
 def _vp_stage(vp_stage: int | None, vpp: int) -> int:
     if vp_stage is None:
-        raise ParallelStateError("vp_stage must be passed when the virtual pipeline is enabled")
+        raise ParallelStateAssertionError("vp_stage must be passed when the virtual pipeline is enabled")
     stage = non_negative_int("vp_stage", vp_stage)
     if stage >= vpp:
-        raise ParallelStateError(f"vp_stage={stage} is not a model chunk: the virtual pipeline has chunks 0..{vpp - 1}")
+        raise ParallelStateAssertionError(
+            f"vp_stage={stage} is not a model chunk: the virtual pipeline has chunks 0..{vpp - 1}")
     return stage
 
 
 def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether this rank runs the first pipeline stage (and, unless ignore_virtual, the first chunk)."""
-    vpp = get_virtual_pipeline_model_parallel_world_size()
-    if not flag("ignore_virtual", ignore_virtual) and vpp is not None:
-        if _vp_stage(vp_stage, vpp) != 0:
+    if ignore_virtual is not True and not flag("ignore_virtual", ignore_virtual):
+        vpp = _A["vpp.size"]
+        if vpp is not None and _vp_stage(vp_stage, vpp) != 0:
             return False
-    return get_pipeline_model_parallel_rank() == 0
+    return _A["pp.is_first"]
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether this rank runs the last pipeline stage (and, unless ignore_virtual, the last chunk)."""
-    vpp = get_virtual_pipeline_model_parallel_world_size()
-    if not flag("ignore_virtual", ignore_virtual) and vpp is not None:
-        if _vp_stage(vp_stage, vpp) != vpp - 1:
+    if ignore_virtual is not True and not flag("ignore_virtual", ignore_virtual):
+        vpp = _A["vpp.size"]
+        if vpp is not None and _vp_stage(vp_stage, vpp) != vpp - 1:
             return False
-    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+    return _A["pp.is_last"]
 
 
-def get_all_ranks() -> str:
-    """This rank's tp, dp, cp, pp and ep ranks joined by '_' (megatron-core's format)."""
-    return "_".join(str(r) for r in (get_tensor_model_parallel_rank(), get_data_parallel_rank(),
-                                      get_context_parallel_rank(), get_pipeline_model_parallel_rank(), 0))
+def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
+    """Whether this rank holds word embeddings (unless ignore_virtual: in the model chunk that does)."""
+    if _A.get("embd.in") is not True:
+        return False
+    if ignore_virtual is True or flag("ignore_virtual", ignore_virtual):
+        return True
+    ranks, rank = _A["embd.ranks"], _st.current("is_rank_in_embedding_group").rank
+    if rank == ranks[0]:
+        return is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if rank == ranks[-1]:
+        return is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    return True
+
+
+def is_rank_in_position_embedding_group() -> bool:
+    """Whether this rank holds position embeddings."""
+    return _A.get("pos-embd.in") is True
 
 
 # --- the short names MAGI-1 and WorldFoundry call ---------------------------------------------
 
 def get_tp_group(with_context_parallel: bool = False) -> Any:
     """This rank's tensor-parallel group (tp x cp with ``with_context_parallel``)."""
-    return _st.current("get_tp_group").groups[_kind("tp", "tp-cp", with_context_parallel)]
+    return _A["tp-cp.group" if flag("with_context_parallel", with_context_parallel) else "tp.group"]
 
 
-get_tp_rank = _rank_getter("tp", "tensor-model-parallel", "tensor_model_parallel_rank", "tp-cp")
-get_tp_world_size = _size_getter("tp", "tensor-model-parallel", "tensor_model_parallel_world_size", "tp-cp")
+def get_tp_rank(with_context_parallel: bool = False) -> int:
+    """This rank's index in its tensor-parallel group (tp x cp with ``with_context_parallel``)."""
+    return _A["tp-cp.rank" if flag("with_context_parallel", with_context_parallel) else "tp.rank"]
+
+
+def get_tp_world_size(with_context_parallel: bool = False) -> int:
+    """Number of ranks in this rank's tensor-parallel group (tp x cp with ``with_context_parallel``)."""
+    return _A["tp-cp.size" if flag("with_context_parallel", with_context_parallel) else "tp.size"]
+
+
+def get_tensor_model_parallel_ranks(with_context_parallel: bool = False, check_initialized: bool = True) -> Any:
+    """Global ranks of this rank's tp (or tp x cp) group."""
+    key = "tp-cp.ranks" if flag("with_context_parallel", with_context_parallel) else "tp.ranks"
+    return _A[key] if flag("check_initialized", check_initialized) else _A.get(key)
+
+
+def get_tensor_model_parallel_last_rank(with_context_parallel: bool = False) -> int:
+    """Global rank of the last member of this rank's tp (or tp x cp) group."""
+    return get_tensor_model_parallel_ranks(with_context_parallel)[-1]
+
+
 get_cp_group = get_context_parallel_group
 get_cp_rank = get_context_parallel_rank
 get_cp_world_size = get_context_parallel_world_size
@@ -304,9 +341,3 @@ get_dp_group = get_data_parallel_group
 get_dp_rank = get_data_parallel_rank
 get_dp_world_size = get_data_parallel_world_size
 get_dp_group_gloo = get_data_parallel_group_gloo
-get_tensor_model_parallel_ranks = _ranks_getter("tp", "tensor-model-parallel", "tp-cp")
-
-
-def get_tensor_model_parallel_last_rank(with_context_parallel: bool = False) -> int:
-    """Global rank of the last member of this rank's tp (or tp x cp) group."""
-    return get_tensor_model_parallel_ranks(with_context_parallel)[-1]

@@ -18,42 +18,6 @@ from parallel_state.errors import ParallelStateError
 
 _MEGATRON = "megatron.core.parallel_state"
 
-#: megatron-core global -> the group kind it holds.
-_GROUPS = {
-    "_TENSOR_MODEL_PARALLEL_GROUP": "tp",
-    "_PIPELINE_MODEL_PARALLEL_GROUP": "pp",
-    "_MODEL_PARALLEL_GROUP": "tp-pp",
-    "_CONTEXT_PARALLEL_GROUP": "cp",
-    "_DATA_PARALLEL_GROUP": "dp",
-    "_DATA_PARALLEL_GROUP_WITH_CP": "dp-cp",
-    # One distributed-optimizer instance: megatron-core makes the intra-partial group the dp-cp group.
-    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": "dp-cp",
-    "_TENSOR_AND_DATA_PARALLEL_GROUP": "tp-dp",
-    "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "tp-dp-cp",
-    "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tp-cp",
-}
-_GLOO_GROUPS = {
-    "_DATA_PARALLEL_GROUP_GLOO": "dp",
-    "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": "dp-cp",
-    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": "dp-cp",
-}
-_GLOBAL_RANKS = {
-    "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": "tp",
-    "_PIPELINE_GLOBAL_RANKS": "pp",
-    "_MODEL_PARALLEL_GLOBAL_RANKS": "tp-pp",
-    "_CONTEXT_PARALLEL_GLOBAL_RANKS": "cp",
-    "_DATA_PARALLEL_GLOBAL_RANKS": "dp",
-    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": "dp-cp",
-}
-#: megatron-core's _MPU_* caches win over its groups, as our set_* overrides win over ours.
-_CACHES = {
-    "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": "tensor_model_parallel_world_size",
-    "_MPU_TENSOR_MODEL_PARALLEL_RANK": "tensor_model_parallel_rank",
-    "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": "pipeline_model_parallel_world_size",
-    "_MPU_PIPELINE_MODEL_PARALLEL_RANK": "pipeline_model_parallel_rank",
-    "_MPU_DATA_PARALLEL_WORLD_SIZE": "data_parallel_world_size",
-    "_MPU_DATA_PARALLEL_RANK": "data_parallel_rank",
-}
 #: Globals whose being set means megatron-core holds live groups.
 _LIVE = ("_TENSOR_MODEL_PARALLEL_GROUP", "_PIPELINE_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP",
          "_CONTEXT_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP")
@@ -97,11 +61,12 @@ def megatron_clash() -> str | None:
 def bridge_megatron() -> bool:
     """Point ``megatron.core.parallel_state`` at this project's live groups; return whether it now reads them.
 
-    After it, megatron-core's tensor, pipeline, context, data (with and without context parallel,
-    and gloo), model-parallel, tensor+data and tensor+context accessors return the very group
-    objects ``parallel_state`` returns, with the same ranks, sizes and global ranks, and
-    ``model_parallel_is_initialized()`` is true there too. Before ``initialize_model_parallel``
-    it only loads megatron-core and returns False: initialize then bridges by itself. Idempotent.
+    After it, every megatron-core global that its own ``initialize_model_parallel`` sets (the
+    groups of every kind, expert, embedding and distributed-optimizer ones included, their
+    global ranks, the gloo groups, the memory buffer) holds the very object ``parallel_state``
+    returns, so megatron-core's accessors and the code that reads its globals see our groups.
+    Before ``initialize_model_parallel`` it only loads megatron-core and returns False:
+    initialize then bridges by itself. Idempotent.
     ``destroy_model_parallel()`` (ours, or megatron-core's while bridged) resets megatron-core's view.
 
     Raises ImportError (saying ``pip install parallel-state[megatron]``) without megatron-core,
@@ -115,29 +80,9 @@ def bridge_megatron() -> bool:
     clash = megatron_clash()
     if clash is not None:
         raise ParallelStateError(clash)
-    values: dict[str, Any] = {}
-    for name, kind in _GROUPS.items():
-        values[name] = state.groups[kind]
-    for name, kind in _GLOO_GROUPS.items():
-        values[name] = state.gloo_groups.get(kind)
-    for name, kind in _GLOBAL_RANKS.items():
-        values[name] = list(state.ranks(kind))
-    for name, key in _CACHES.items():
-        values[name] = _st.overrides.get(key)
-    # No expert parallelism here: every rank is its own expert-parallel group of one (megatron-core's
-    # get_all_ranks and MoE-aware code read these).
-    values["_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE"] = 1
-    values["_MPU_EXPERT_MODEL_PARALLEL_RANK"] = 0
-    from parallel_state import accessors
+    from parallel_state import megatron_globals
 
-    values["_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE"] = accessors.get_virtual_pipeline_model_parallel_world_size()
-    values["_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK"] = accessors.get_virtual_pipeline_model_parallel_rank()
-    # megatron-core's list of this rank's groups (None = the default group), for update_pg_timeout.
-    values["_global_process_group_list"] = [None, *state.owned]
-    if getattr(mps, "_GLOBAL_MEMORY_BUFFER", None) is None:  # megatron-core's initialize creates it
-        values["_GLOBAL_MEMORY_BUFFER"] = mps.GlobalMemoryBuffer()
-    elif _bridged is state:
-        values["_GLOBAL_MEMORY_BUFFER"] = mps._GLOBAL_MEMORY_BUFFER
+    values = megatron_globals.values()
     # Everything that can fail has run; from here on only assignments.
     for name, value in values.items():
         setattr(mps, name, value)
@@ -164,10 +109,12 @@ def _unbridge() -> None:
     global _bridged
     mps = sys.modules.get(_MEGATRON)
     if mps is not None:
+        from parallel_state.megatron_globals import EMPTY
+
         for name, value in _written.items():
             # Only what still holds our value: megatron-core may have been reset meanwhile.
             if value is not None and getattr(mps, name, None) is value:
-                setattr(mps, name, None)
+                setattr(mps, name, EMPTY.get(name))
         if _megatron_destroy is not None and mps.destroy_model_parallel is _routed_megatron_destroy:
             mps.destroy_model_parallel = _megatron_destroy
     _written.clear()

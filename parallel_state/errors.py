@@ -13,3 +13,11 @@ class ParallelStateTypeError(ParallelStateError, TypeError):
 
 class ParallelStateWarning(UserWarning):
     """Warns about use that works but is probably not what was meant."""
+
+
+class ParallelStateAssertionError(ParallelStateError, AssertionError):
+    """A broken precondition where megatron-core asserts (not initialized, initialized twice, a missing group).
+
+    Also an AssertionError, so code written against megatron-core that catches AssertionError
+    keeps working; the message still says what to do.
+    """

@@ -103,11 +103,14 @@ class GroupBatch:
     ) -> Any:
         """Create this rank's group: the ``index``-th of ``count`` same-kind groups in the world.
 
-        ``all_groups`` (a callable giving every group of the kind) is used only on the
-        eager-NCCL fallback, where every rank must take part in every creation.
+        Empty ``ranks`` mean this rank is in no group of the kind: it only moves past the
+        kind's slots and gets None. ``all_groups`` (a callable giving every group of the kind)
+        is used only on the eager-NCCL fallback, where every rank must take part in every creation.
         """
         slot = self._next_slot
         self._next_slot += count
+        if not ranks and not _eager_nccl():
+            return None
         if _eager_nccl() and all_groups is not None:
             mine = None
             for i, group_ranks in enumerate(all_groups()):
@@ -142,6 +145,10 @@ class GroupBatch:
         self._labels[id(pg)] = f"{desc} group {list(ranks)}"
         return pg
 
+    def skip(self, count: int) -> None:
+        """Move past ``count`` slots without creating anything (a kind served by another kind's group)."""
+        self._next_slot += count
+
     def wait_for_members(self) -> None:
         """Return once every member has finished creating each gloo group this batch created.
 
@@ -153,6 +160,8 @@ class GroupBatch:
         """
         pending = []
         for pg in self.created:
+            if pg is None:
+                continue  # eager NCCL: this rank was in none of the kind's groups
             backend, store = c10d._world.pg_map[pg]
             if pg.size() == 1 or "gloo" not in str(backend):
                 continue  # nothing to wait for; other backends connect lazily or collectively
@@ -172,6 +181,33 @@ class GroupBatch:
     def close(self) -> None:
         """Leave the counter past every name this batch could have used, on every rank alike."""
         c10d._world.group_count = max(c10d._world.group_count, self._base + max(self.reserve, self._next_slot))
+
+
+@contextmanager
+def sharp_enabled(wanted: bool) -> Iterator[Any]:
+    """Create the group made inside with SHARP (NCCL only; on other backends it has no effect).
+
+    NCCL gives SHARP to the first communicator created while ``NCCL_COLLNET_ENABLE=1``, and
+    creates communicators lazily: the variable is set, the group made, a barrier on it creates
+    the communicator, and the variable is removed. Yields a function to pass the new group through.
+    """
+    if not wanted or "nccl" not in _default_backend():
+        yield lambda pg: pg
+        return
+    import torch
+
+    os.environ["NCCL_COLLNET_ENABLE"] = "1"
+
+    def enable(pg: Any) -> Any:
+        if pg is not None:
+            dist.barrier(group=pg, device_ids=[torch.cuda.current_device()])
+            torch.cuda.synchronize()
+        return pg
+
+    try:
+        yield enable
+    finally:
+        os.environ.pop("NCCL_COLLNET_ENABLE", None)
 
 
 def destroy_groups(groups: list[Any]) -> None:

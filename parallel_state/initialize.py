@@ -7,14 +7,25 @@ import os
 from typing import Any, Callable, List, Optional
 
 from parallel_state import state as _st
-from parallel_state.errors import ParallelStateError, ParallelStateTypeError
+from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
 from parallel_state.plan import TopologyPlan
 
 # Megatron's names for the NCCL communicator config sections, by group kind.
 _NCCL_CFG_NAME = {
     "dp-cp": "dp_cp", "dp": "dp", "cp": "cp", "tp-pp": "mp", "tp": "tp", "pp": "pp",
-    "tp-dp-cp": "tp_dp_cp", "tp-dp": "tp_dp", "tp-cp": "tp_cp",
+    "tp-dp-cp": "tp_dp_cp", "tp-dp": "tp_dp", "tp-cp": "tp_cp", "dp-cp-intra": "intra_dp_cp",
+    "dp-cp-ag": "dp_cp", "embd": "embd", "pos-embd": "pos_embd", "ep": "ep", "etp": "ep_tp",
+    "etp-ep": "tp_ep_mp", "etp-ep-pp": "tp_ep_pp", "edp": "ep_dp", "edp-intra": "intra_ep_dp",
+    "edp-inter": "inter_ep_dp", "dist-opt": "intra_dist_opt_instance",
 }
+
+
+def _nccl_cfg_name(kind: str) -> str:
+    if kind.startswith("cp-l"):
+        return "hcp"
+    if kind.startswith("dp-cp-hybrid"):
+        return "dp_cp"
+    return _NCCL_CFG_NAME.get(kind, kind)
 
 
 def _alias(name: str, megatron_value: Any, default: Any, alias_name: str, alias_value: Any) -> Any:
@@ -26,10 +37,6 @@ def _alias(name: str, megatron_value: Any, default: Any, alias_name: str, alias_
             f"{alias_name}={alias_value!r}; pass only one of them"
         )
     return alias_value
-
-
-def _unsupported(what: str) -> NotImplementedError:
-    return NotImplementedError(f"{what} is not supported by parallel_state; use megatron-core for it")
 
 
 def _nccl_options_factory(config_path: str | None, high_priority: list[str] | None) -> Callable[[str], Any]:
@@ -55,7 +62,7 @@ def _nccl_options_factory(config_path: str | None, high_priority: list[str] | No
         return lambda kind: None
 
     def options(kind: str) -> Any:
-        cfg = cfgs.get(_NCCL_CFG_NAME.get(kind, kind))
+        cfg = cfgs.get(_nccl_cfg_name(kind))
         if cfg is None:
             return None
         import torch.distributed as dist
@@ -123,12 +130,12 @@ def initialize_model_parallel(
     timeout = a.timeout_of(timeout, distributed_timeout_minutes)
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise ParallelStateError(
+        raise ParallelStateAssertionError(
             "torch.distributed is not initialized: call torch.distributed.init_process_group(...) "
             "(or parallel_state.dist_init) before initialize_model_parallel"
         )
     if _st.peek() is not None:
-        raise ParallelStateError(
+        raise ParallelStateAssertionError(
             "model-parallel groups are already initialized; call "
             "parallel_state.destroy_model_parallel() before initializing again"
         )
@@ -147,6 +154,15 @@ def initialize_model_parallel(
             "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size,
             "pipeline_model_parallel_comm_backend": pipeline_model_parallel_comm_backend,
             "create_gloo_process_groups": create_gloo_process_groups,
+            "expert_model_parallel_size": expert_model_parallel_size,
+            "expert_tensor_parallel_size": expert_tensor_parallel_size,
+            "hierarchical_context_parallel_sizes": hierarchical_context_parallel_sizes,
+            "hybrid_context_parallel": hybrid_context_parallel,
+            "num_distributed_optimizer_instances": num_distributed_optimizer_instances,
+            "create_all_gather_group": create_all_gather_group,
+            "use_sharp": use_sharp, "sharp_enabled_group": sharp_enabled_group,
+            "get_embedding_ranks": _callable_name(get_embedding_ranks),
+            "get_position_embedding_ranks": _callable_name(get_position_embedding_ranks),
             "megatron_holds_own_groups": clash is not None,
         }, timeout=timeout)
     if clash is not None:
@@ -168,7 +184,8 @@ def initialize_model_parallel(
             create_all_gather_group=create_all_gather_group,
         )
         _st.build(plan, timeout=timeout, create_gloo_process_groups=create_gloo_process_groups,
-                  pipeline_backend=backend, nccl_options=nccl_options, virtual_pipeline_size=vpp)
+                  pipeline_backend=backend, nccl_options=nccl_options, virtual_pipeline_size=vpp,
+                  sharp_kind=_sharp_kind(use_sharp, sharp_enabled_group))
     except Exception as exc:
         # Ranks that agreed on the arguments fail alike here, unless their environments
         # differ (a missing file, a backend one node lacks): either way, tell the others, so
@@ -213,25 +230,21 @@ def _validated(world: int, tp: Any, cp: Any, pp: Any, *, spelled: dict[str, Any]
         raise ParallelStateTypeError(
             f"nccl_communicator_config_path must be the path of a YAML file or None, got {config_path!r}"
         )
-    hierarchical = kw["hierarchical_context_parallel_sizes"]
-    if hierarchical is not None and not isinstance(hierarchical, (list, tuple)):
-        raise ParallelStateTypeError(
-            f"hierarchical_context_parallel_sizes must be a list of ints or None, got {hierarchical!r}"
-        )
-
-    if ep != 1:
-        raise _unsupported(f"expert_model_parallel_size={ep} (expert parallelism)")
-    if etp not in (None, tp):
-        raise _unsupported(f"expert_tensor_parallel_size={etp} different from tp={tp}")
-    if kw["use_sharp"] or kw["sharp_enabled_group"] is not None:
-        raise _unsupported("use_sharp / sharp_enabled_group")
-    if hierarchical or kw["hybrid_context_parallel"]:
-        raise _unsupported("hierarchical or hybrid context parallelism")
-    if instances != 1:
-        raise _unsupported("num_distributed_optimizer_instances > 1")
-    if kw["get_embedding_ranks"] is not None or kw["get_position_embedding_ranks"] is not None \
-            or kw["create_all_gather_group"]:
-        raise _unsupported("embedding groups and the separate all-gather group")
+    if kw["sharp_enabled_group"] is not None:
+        if not kw["use_sharp"]:
+            raise ParallelStateAssertionError(
+                f"sharp_enabled_group={kw['sharp_enabled_group']!r} is only valid with use_sharp=True; pass "
+                f"use_sharp=True or leave sharp_enabled_group None"
+            )
+        if kw["sharp_enabled_group"] not in ("dp", "dp_replica"):
+            raise ParallelStateAssertionError(
+                f"sharp_enabled_group={kw['sharp_enabled_group']!r} is not a SHARP group; use 'dp' or 'dp_replica'"
+            )
+        if kw["sharp_enabled_group"] == "dp_replica" and instances == 1:
+            raise ParallelStateAssertionError(
+                "sharp_enabled_group='dp_replica' needs num_distributed_optimizer_instances > 1 (the replica "
+                "group spans the instances)"
+            )
     if backend not in (None, "nccl", "gloo", "ucc"):
         raise ParallelStateError(
             f"pipeline_model_parallel_comm_backend={backend!r} is not a backend; use None (the default "
@@ -244,13 +257,36 @@ def _validated(world: int, tp: Any, cp: Any, pp: Any, *, spelled: dict[str, Any]
             f"pipeline_model_parallel_comm_backend={backend!r} is not available in this torch build; "
             f"use None (the default group's backend) or one this build has"
         )
-    plan = TopologyPlan(world, tp=tp, cp=cp, pp=pp, order=kw["order"])
+    plan = TopologyPlan(
+        world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=kw["order"],
+        hierarchical_cp=kw["hierarchical_context_parallel_sizes"], dist_opt_instances=instances,
+        hybrid_cp=kw["hybrid_context_parallel"], all_gather=bool(kw["create_all_gather_group"]),
+        embedding_ranks=kw["get_embedding_ranks"], position_embedding_ranks=kw["get_position_embedding_ranks"],
+    )
+    # The callables are the caller's code: run them on this rank's pipeline now, so a bad
+    # return value is an error here, before any group exists.
+    for kind in ("embd", "pos-embd"):
+        plan.group_ranks(kind, dist.get_rank())
     if vpp is not None and plan.pp <= 1:
         raise ParallelStateError(
             "virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1 "
             "(the interleaved schedule has nothing to interleave otherwise)"
         )
     return plan, vpp, backend, _nccl_options_factory(config_path, priority)
+
+
+def _callable_name(fn: Any) -> Any:
+    """A callable as ranks can compare it: its qualified name (None stays None)."""
+    if fn is None or not callable(fn):
+        return fn if fn is None else repr(type(fn))
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def _sharp_kind(use_sharp: bool, sharp_enabled_group: str | None) -> str | None:
+    """The kind whose NCCL communicator SHARP is enabled for (megatron-core: dp x cp, or the replica group)."""
+    if not use_sharp:
+        return None
+    return "edp-inter" if sharp_enabled_group == "dp_replica" else "dp-cp"
 
 
 def _confirm(error: BaseException | None, timeout: datetime.timedelta) -> None:

@@ -1,64 +1,85 @@
-"""Pure topology planning: sizes + order -> every group's ranks and each rank's coordinates.
+"""The topology plan: every group kind megatron-core builds, as rows of one table over two grids.
 
-Nothing here touches ``torch.distributed``. The layout is megatron-core's: ranks are laid out
-over the dimensions of ``order`` with the first dimension varying fastest, and the group of a
-kind (a set of dimensions) holds the ranks that share every other coordinate.
+megatron-core lays out the world twice with the same order string: the decoder grid (tp, cp,
+dp, pp) and the expert grid (expert tp, ep, expert dp, pp). Every group it builds is a kind of
+this plan: a set of dimensions of one grid, a level of a hierarchical split of another kind's
+groups (hierarchical context parallelism, distributed-optimizer instances), contiguous blocks
+of one (hybrid context parallelism), the stages a callable picks from each pipeline (embedding
+groups), or a run of whole expert model-parallel groups (a distributed-optimizer instance).
+The plan answers, for any rank and kind, the group's members, the rank's index in it and the
+group's index among its kind, without processes and without walking the world.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
-from parallel_state.arguments import is_int, positive_int
-from parallel_state.errors import ParallelStateError, ParallelStateTypeError
-
-#: Megatron's dimension tokens and its default order.
-DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
-DEFAULT_ORDER = "tp-cp-ep-dp-pp"
-
-#: The group kinds this project creates, in creation order. A kind is a set of dimensions,
-#: spelled with Megatron's tokens.
-KINDS: tuple[str, ...] = ("dp-cp", "dp", "cp", "tp-pp", "tp", "pp", "tp-dp-cp", "tp-dp", "tp-cp")
-
-
-def normalize_order(order: str, sizes: dict[str, int]) -> tuple[str, ...]:
-    """Validate ``order`` the way megatron-core's ``RankGenerator`` reads it and complete it.
-
-    Tokens are case-insensitive; tokens missing from ``order`` are appended in Megatron's
-    order (tp, pp, dp, ep, cp), which is only allowed for dimensions of size 1.
-    """
-    if not isinstance(order, str):
-        raise ParallelStateTypeError(f"order must be a string like {DEFAULT_ORDER!r}, got {order!r}")
-    tokens = [t.strip() for t in order.lower().split("-")]
-    unknown = [t for t in tokens if t not in DIMS]
-    if unknown:
-        raise ParallelStateError(
-            f"order {order!r} has unknown token(s) {unknown}; use '-'-separated tokens from "
-            f"{list(DIMS)}, for example {DEFAULT_ORDER!r}"
-        )
-    repeated = sorted({t for t in tokens if tokens.count(t) > 1})
-    if repeated:
-        raise ParallelStateError(f"order {order!r} repeats token(s) {repeated}; name each once")
-    # Megatron appends missing tokens in the order of its name_to_size table.
-    for name in ("tp", "pp", "dp", "ep", "cp"):
-        if name not in tokens:
-            if sizes.get(name, 1) != 1:
-                raise ParallelStateError(
-                    f"{name} size is {sizes[name]} but order {order!r} does not name {name!r}; "
-                    f"add it to the order"
-                )
-            tokens.append(name)
-    return tuple(tokens)
+from parallel_state.arguments import positive_int
+from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
+from parallel_state.grid import DEFAULT_ORDER, DIMS, Grid, normalize_order  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)
-class Grid:
-    """One rank layout (megatron-core's ``RankGenerator``): world size, each dimension's size, their order.
+class GridKind:
+    """The groups of ``dims`` (a '-'-joined set of tokens) in the decoder or the expert grid."""
 
-    Every question about groups is answered arithmetically, in time proportional to the size
-    of the answer, never to the world size.
+    grid: str
+    dims: str
+
+
+@dataclass(frozen=True)
+class SplitKind:
+    """Level ``level`` of a mixed-radix split of each ``base`` group (positions, first radix fastest)."""
+
+    base: str
+    radices: tuple[int, ...]
+    level: int
+
+
+@dataclass(frozen=True)
+class BlockKind:
+    """Contiguous blocks of ``size`` positions of each ``base`` group; the last block may be short."""
+
+    base: str
+    size: int
+
+
+@dataclass(frozen=True)
+class PickKind:
+    """The ranks a callable picks from each pipeline group (``which``: "embedding" or "position_embedding")."""
+
+    which: str
+
+
+@dataclass(frozen=True)
+class InstanceKind:
+    """``runs`` consecutive expert tp-ep-pp groups (one distributed-optimizer instance), as one group."""
+
+    runs: int
+
+
+KindSpec = Any  # one of the dataclasses above
+
+#: Kinds that are a separate group even where another kind has the same ranks.
+SEPARATE = ("dp-cp-ag",)
+
+
+def _member_order(ranks: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted(ranks))
+
+
+@dataclass(frozen=True)
+class TopologyPlan:
+    """A validated topology: the sizes, the order, and every group kind megatron-core would build.
+
+    ``ep`` and ``etp`` (default ``tp``) size the expert grid; ``hierarchical_cp`` splits each
+    context-parallel group level by level; ``dist_opt_instances`` splits the data-parallel
+    domain into distributed-optimizer instances; ``hybrid_cp`` adds power-of-two blocks of each
+    dp x cp group; ``all_gather`` adds a second dp x cp group for all-gathers;
+    ``embedding_ranks`` / ``position_embedding_ranks`` pick the embedding stages from a
+    pipeline's ranks (megatron-core's defaults: first and last, first).
     """
 
     world_size: int
@@ -66,122 +87,334 @@ class Grid:
     cp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int | None = None
     order: str = DEFAULT_ORDER
-    dims: tuple[str, ...] = field(init=False, repr=False)
-    _stride: dict[str, int] = field(init=False, repr=False, compare=False)
+    hierarchical_cp: tuple[int, ...] | None = None
+    dist_opt_instances: int = 1
+    hybrid_cp: bool = False
+    all_gather: bool = False
+    embedding_ranks: Callable[..., Any] | None = field(default=None, compare=False)
+    position_embedding_ranks: Callable[..., Any] | None = field(default=None, compare=False)
+    decoder: Grid = field(init=False, repr=False)
+    expert: Grid = field(init=False, repr=False)
+    kinds: dict[str, KindSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "world_size", positive_int("world_size", self.world_size))
-        for name in ("tp", "cp", "pp", "ep"):
-            object.__setattr__(self, name, positive_int(f"{name} size", getattr(self, name)))
-        model = self.tp * self.cp * self.pp * self.ep
-        if self.world_size % model:
+        world = positive_int("world_size", self.world_size)
+        tp, cp, pp = (positive_int(f"{n} size", getattr(self, n)) for n in ("tp", "cp", "pp"))
+        ep = positive_int("ep size", self.ep)
+        etp = tp if self.etp is None else positive_int("etp size", self.etp)
+        if world % (tp * cp * pp):
             raise ParallelStateError(
-                f"world size {self.world_size} is not divisible by tp*cp*pp*ep = "
-                f"{self.tp}*{self.cp}*{self.pp}*{self.ep} = {model}; choose sizes whose product "
-                f"divides the world size"
+                f"world size {world} is not divisible by tp*cp*pp = {tp}*{cp}*{pp} = {tp * cp * pp}; choose "
+                f"sizes whose product divides the world size"
             )
-        dims = normalize_order(self.order, self.sizes)
-        object.__setattr__(self, "dims", dims)
-        object.__setattr__(self, "order", "-".join(dims))
-        stride, acc = {}, 1
-        for d in dims:
-            stride[d] = acc
-            acc *= self.size(d)
-        object.__setattr__(self, "_stride", stride)
+        if world % (etp * ep * pp):
+            raise ParallelStateError(
+                f"world size {world} is not divisible by expert tp*ep*pp = {etp}*{ep}*{pp} = {etp * ep * pp}; "
+                f"choose expert_tensor_parallel_size and expert_model_parallel_size whose product with pp divides it"
+            )
+        normalize_order(self.order, {"tp": tp, "cp": cp, "pp": pp, "ep": ep})  # names every size > 1
+        decoder = Grid(world, tp=tp, cp=cp, pp=pp, order=self.order)
+        expert = Grid(world, tp=etp, ep=ep, pp=pp, order=self.order)
+        if decoder.signature("pp") != expert.signature("pp") and ep == 1 and etp == tp:
+            # megatron-core refuses this order (its expert layout has no cp, so its pipelines
+            # would differ from the decoder's); without expert parallelism there is nothing to
+            # lay out apart, so the expert groups are the decoder's (expert dp = dp x cp).
+            expert = decoder
+        elif decoder.signature("pp") != expert.signature("pp"):
+            raise ParallelStateAssertionError(
+                f"order {self.order!r} puts pp after dp, so the expert layout (expert tp {etp} x ep {ep}) must "
+                f"have the decoder's data-parallel size ({decoder.dp}), but it has {expert.dp}: make "
+                f"expert_tensor_parallel_size * expert_model_parallel_size equal tp * cp ({tp * cp}), or end "
+                f"the order with 'pp'"
+            )
+        instances = positive_int("dist_opt_instances", self.dist_opt_instances)
+        edp = expert.dp * (cp if expert is decoder else 1)
+        if (decoder.dp * cp) % instances or edp % instances:
+            raise ParallelStateAssertionError(
+                f"num_distributed_optimizer_instances={instances} must divide the data-parallel sizes: dp x cp = "
+                f"{decoder.dp * cp} and expert dp = {edp}; pick a divisor of both"
+            )
+        hierarchical = self.hierarchical_cp
+        if hierarchical is not None:
+            if not isinstance(hierarchical, (list, tuple)):
+                raise ParallelStateTypeError(
+                    f"hierarchical_context_parallel_sizes must be a list of ints or None, got {hierarchical!r}"
+                )
+            hierarchical = tuple(positive_int("a hierarchical context-parallel size", s) for s in hierarchical)
+            if hierarchical and math.prod(hierarchical) != cp:
+                raise ParallelStateAssertionError(
+                    f"hierarchical_context_parallel_sizes {list(hierarchical)} multiply to {math.prod(hierarchical)}, "
+                    f"not context_parallel_size={cp}; give sizes whose product is {cp}"
+                )
+        if self.hybrid_cp and (decoder.dp * cp) % 2:
+            raise ParallelStateAssertionError(
+                f"hybrid_context_parallel needs an even number of dp x cp ranks, got {decoder.dp * cp}; "
+                f"change the sizes or turn hybrid context parallelism off"
+            )
+        for name in ("embedding_ranks", "position_embedding_ranks"):
+            fn = getattr(self, name)
+            if fn is not None and not callable(fn):
+                raise ParallelStateTypeError(f"{name} must be a function of the pipeline's ranks, got {fn!r}")
+        for name, value in (("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep), ("etp", etp), ("world_size", world),
+                            ("order", decoder.order), ("hierarchical_cp", hierarchical or None),
+                            ("dist_opt_instances", instances), ("decoder", decoder), ("expert", expert)):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "kinds", self._kind_table())
+
+    def _kind_table(self) -> dict[str, KindSpec]:
+        """Every kind, in creation order: the rows that state, accessors and bridge read."""
+        kinds: dict[str, KindSpec] = {k: GridKind("decoder", k) for k in (
+            "dp-cp", "dp", "cp", "tp-pp", "tp", "pp", "tp-dp-cp", "tp-dp", "tp-cp")}
+        n = self.decoder.dp * self.cp
+        kinds["dp-cp-intra"] = SplitKind("dp-cp", (n // self.dist_opt_instances, self.dist_opt_instances), 0)
+        if self.all_gather:
+            kinds["dp-cp-ag"] = GridKind("decoder", "dp-cp")
+        for level in range(len(self.hierarchical_cp or ())):
+            kinds[f"cp-l{level}"] = SplitKind("cp", self.hierarchical_cp, level)  # type: ignore[arg-type]
+        if self.hybrid_cp:
+            for size in hybrid_sizes(n):
+                kinds[f"dp-cp-hybrid{size}"] = BlockKind("dp-cp", size)
+        kinds["embd"] = PickKind("embedding")
+        kinds["pos-embd"] = PickKind("position_embedding")
+        for name, dims in (("ep", "ep"), ("etp", "tp"), ("etp-ep", "tp-ep"), ("etp-ep-pp", "tp-ep-pp"),
+                           ("edp", "dp-cp" if self.expert is self.decoder else "dp")):
+            kinds[name] = GridKind("expert", dims)
+        m, instances = self.edp // self.dist_opt_instances, self.dist_opt_instances
+        kinds["edp-intra"] = SplitKind("edp", (m, instances), 0)
+        if instances > 1:
+            kinds["edp-inter"] = SplitKind("edp", (m, instances), 1)
+        kinds["dist-opt"] = InstanceKind(m)
+        return kinds
+
+    # --- sizes -----------------------------------------------------------------------------
 
     @property
     def dp(self) -> int:
-        """Data-parallel size: what is left of the world after tp, cp, pp and ep."""
-        return self.world_size // (self.tp * self.cp * self.pp * self.ep)
+        """Data-parallel size: what is left of the world after tp, cp and pp."""
+        return self.decoder.dp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: what is left of the world after expert tp, ep and pp."""
+        return self.world_size // (self.etp * self.ep * self.pp)
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """The decoder grid's dimension tokens in layout order."""
+        return self.decoder.dims
 
     @property
     def sizes(self) -> dict[str, int]:
-        """Size of every dimension, keyed by token."""
+        """Size of every decoder dimension, keyed by token (ep is the expert grid's)."""
         return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": self.dp, "pp": self.pp}
 
     def size(self, dim: str) -> int:
-        """Size of one dimension."""
-        if dim not in DIMS:
-            raise ParallelStateError(f"unknown dimension {dim!r}; use one of {list(DIMS)}")
-        return getattr(self, dim)
-
-    def _kind_dims(self, kind: str) -> list[str]:
-        if not isinstance(kind, str):
-            raise ParallelStateTypeError(f"a group kind is a str such as 'tp-cp', got {kind!r}")
-        wanted = kind.split("-")
-        if any(t not in DIMS for t in wanted) or len(set(wanted)) != len(wanted):
-            raise ParallelStateError(
-                f"unknown group kind {kind!r}; name each dimension once, with tokens from {list(DIMS)}, e.g. 'tp-cp'"
-            )
-        # Group members are enumerated with the dimensions in layout order.
-        return [d for d in self.dims if d in wanted]
-
-    def _check_rank(self, rank: int) -> None:
-        if not is_int(rank):
-            raise ParallelStateTypeError(f"a rank is an int in [0, {self.world_size}), got {rank!r}")
-        if not 0 <= rank < self.world_size:
-            raise ParallelStateError(f"rank {rank} is outside the world of {self.world_size} ranks")
+        """Size of one dimension (``ep``, ``etp`` and ``edp`` are the expert grid's)."""
+        if dim in ("ep", "etp", "edp"):
+            return {"ep": self.ep, "etp": self.etp, "edp": self.edp}[dim]
+        return self.decoder.size(dim)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """This rank's coordinate along every dimension."""
-        self._check_rank(rank)
-        return {d: (rank // self._stride[d]) % self.size(d) for d in self.dims}
+        """This rank's coordinate along every decoder dimension."""
+        return self.decoder.coords(rank)
 
-    def group_size(self, kind: str) -> int:
-        """Number of ranks in each group of ``kind``."""
-        return math.prod(self.size(d) for d in self._kind_dims(kind))
+    # --- kinds ---------------------------------------------------------------------------------
 
-    def num_groups(self, kind: str) -> int:
-        """Number of groups of ``kind`` in the world."""
-        return self.world_size // self.group_size(kind)
+    def spec(self, kind: str) -> KindSpec:
+        """The row of ``kind``; a plain set of decoder tokens ('tp-cp') works too."""
+        spec = self.kinds.get(kind) if isinstance(kind, str) else None
+        if spec is not None:
+            return spec
+        if not isinstance(kind, str):
+            raise ParallelStateTypeError(f"a group kind is a str such as 'tp-cp', got {kind!r}")
+        try:
+            self.decoder._kind_dims(kind)
+        except ParallelStateError as exc:
+            raise ParallelStateError(f"{exc}; or one of this plan's kinds {list(self.kinds)}") from None
+        return GridKind("decoder", kind)
+
+    def _grid(self, spec: GridKind) -> Grid:
+        return self.decoder if spec.grid == "decoder" else self.expert
 
     def group_ranks(self, kind: str, rank: int) -> tuple[int, ...]:
-        """Global ranks of the group of ``kind`` that holds ``rank``, in Megatron's order."""
-        kdims = self._kind_dims(kind)
-        coords = self.coords(rank)
-        base = rank - sum(coords[d] * self._stride[d] for d in kdims)
-        members = [base]
-        # Expand one dimension at a time, the first (fastest) dimension innermost.
-        for d in kdims:
-            step = self._stride[d]
-            members = [m + i * step for i in range(self.size(d)) for m in members]
-        return tuple(members)
+        """Global ranks of the group of ``kind`` that holds ``rank`` (empty when it is in none)."""
+        spec = self.spec(kind)
+        if isinstance(spec, GridKind):
+            return self._grid(spec).group_ranks(spec.dims, rank)
+        if isinstance(spec, SplitKind):
+            base = self.group_ranks(spec.base, rank)
+            return tuple(base[p] for p in _split_positions(spec, base.index(rank)))
+        if isinstance(spec, BlockKind):
+            base = self.group_ranks(spec.base, rank)
+            start = base.index(rank) // spec.size * spec.size
+            return base[start:start + spec.size]
+        if isinstance(spec, PickKind):
+            picked = self.picked(spec.which, self.group_ranks("pp", rank))
+            return picked if rank in picked else ()
+        # A rank's position in its expert dp group is its expert-dp coordinate, shared by its
+        # whole tp x ep x pp group: an instance is the runs at positions [first, first + runs).
+        edp = self.group_ranks("edp", rank)
+        first = edp.index(rank) // spec.runs * spec.runs
+        return _member_order(tuple(r for q in edp[first:first + spec.runs] for r in self.group_ranks("etp-ep-pp", q)))
+
+    def picked(self, which: str, pp_ranks: tuple[int, ...]) -> tuple[int, ...]:
+        """The embedding (or position-embedding) ranks of one pipeline, checked."""
+        fn = getattr(self, f"{which}_ranks")
+        if fn is None:
+            fn = default_embedding_ranks if which == "embedding" else default_position_embedding_ranks
+        try:
+            picked = fn(list(pp_ranks))
+        except Exception as exc:
+            raise ParallelStateError(
+                f"get_{which}_ranks({list(pp_ranks)}) raised {type(exc).__name__}: {exc}; it must return the "
+                f"ranks of that pipeline that hold the {which.replace('_', ' ')}"
+            ) from exc
+        try:
+            picked = tuple(int(r) for r in picked)
+        except (TypeError, ValueError):
+            raise ParallelStateError(
+                f"get_{which}_ranks({list(pp_ranks)}) returned {picked!r}; it must return a list of global ranks"
+            ) from None
+        stray = [r for r in picked if r not in pp_ranks]
+        if stray or not picked or len(set(picked)) != len(picked):
+            why = (f"ranks {stray} are not in that pipeline" if stray else
+                   "no rank" if not picked else "a rank twice")
+            raise ParallelStateError(
+                f"get_{which}_ranks({list(pp_ranks)}) returned {list(picked)}: {why}; return distinct ranks of "
+                f"the pipeline group it is given"
+            )
+        return picked
 
     def group_rank(self, kind: str, rank: int) -> int:
-        """Index of ``rank`` inside its group of ``kind``."""
-        coords, index, acc = self.coords(rank), 0, 1
-        for d in self._kind_dims(kind):
-            index += coords[d] * acc
-            acc *= self.size(d)
-        return index
+        """Index of ``rank`` in its group of ``kind`` as torch numbers it (by global rank)."""
+        spec = self.spec(kind)
+        if isinstance(spec, GridKind):
+            return self._grid(spec).group_rank(spec.dims, rank)
+        members = self.group_ranks(kind, rank)
+        if rank not in members:
+            raise ParallelStateError(f"rank {rank} is in no {kind} group")
+        return sorted(members).index(rank)
+
+    def group_size(self, kind: str, rank: int = 0) -> int:
+        """Number of ranks in the group of ``kind`` holding ``rank`` (the same for every group of most kinds)."""
+        spec = self.spec(kind)
+        if isinstance(spec, GridKind):
+            return self._grid(spec).group_size(spec.dims)
+        if isinstance(spec, SplitKind):
+            return spec.radices[spec.level]
+        return len(self.group_ranks(kind, rank))
+
+    def num_groups(self, kind: str) -> int:
+        """Number of groups of ``kind`` in the world (counter slots to reserve)."""
+        spec = self.spec(kind)
+        if isinstance(spec, GridKind):
+            return self._grid(spec).num_groups(spec.dims)
+        if isinstance(spec, SplitKind):
+            return self.num_groups(spec.base) * (math.prod(spec.radices) // spec.radices[spec.level])
+        if isinstance(spec, BlockKind):
+            return self.num_groups(spec.base) * -(-self.group_size(spec.base) // spec.size)
+        if isinstance(spec, PickKind):
+            return self.num_groups("pp")
+        return self.edp // spec.runs
 
     def group_index(self, kind: str, rank: int) -> int:
-        """Index of ``rank``'s group among all groups of ``kind`` (Megatron's enumeration order)."""
-        kdims = set(self._kind_dims(kind))
-        coords, index, acc = self.coords(rank), 0, 1
-        for d in self.dims:
-            if d not in kdims:
-                index += coords[d] * acc
-                acc *= self.size(d)
-        return index
+        """Index of ``rank``'s group among all groups of ``kind``: the same on every member."""
+        spec = self.spec(kind)
+        if isinstance(spec, GridKind):
+            return self._grid(spec).group_index(spec.dims, rank)
+        if isinstance(spec, SplitKind):
+            position = self.group_ranks(spec.base, rank).index(rank)
+            per_base = math.prod(spec.radices) // spec.radices[spec.level]
+            return self.group_index(spec.base, rank) * per_base + _split_index(spec, position)
+        if isinstance(spec, BlockKind):
+            position = self.group_ranks(spec.base, rank).index(rank)
+            per_base = -(-self.group_size(spec.base) // spec.size)
+            return self.group_index(spec.base, rank) * per_base + position // spec.size
+        if isinstance(spec, PickKind):
+            return self.group_index("pp", rank)
+        return self.group_ranks("edp", rank).index(rank) // spec.runs
 
     def groups(self, kind: str) -> Iterator[tuple[int, ...]]:
-        """Every group of ``kind`` in the world, in Megatron's order (O(world size))."""
-        kdims = set(self._kind_dims(kind))
-        outer = [d for d in self.dims if d not in kdims]
-        bases = [0]
-        for d in outer:
-            step = self._stride[d]
-            bases = [b + i * step for i in range(self.size(d)) for b in bases]
-        for b in bases:
-            yield self.group_ranks(kind, b)
+        """Every group of ``kind`` in the world, in megatron-core's creation order (O(world size))."""
+        spec = self.spec(kind)
+        if isinstance(spec, GridKind):
+            yield from self._grid(spec).groups(spec.dims)
+        elif isinstance(spec, (SplitKind, BlockKind)):
+            for base in self.groups(spec.base):
+                seen: set[tuple[int, ...]] = set()
+                for r in base:
+                    g = self.group_ranks(kind, r)
+                    if g not in seen:
+                        seen.add(g)
+                        yield g
+        elif isinstance(spec, PickKind):
+            for pp_ranks in self.groups("pp"):
+                yield self.picked(spec.which, pp_ranks)
+        else:
+            edp = self.group_ranks("edp", 0)
+            for first in range(0, self.edp, spec.runs):
+                yield self.group_ranks(kind, edp[first])
+
+    def signature(self, kind: str) -> Any:
+        """Equal signatures mean the two kinds hold the same ranks on every rank (one group serves both)."""
+        spec = self.spec(kind)
+        if kind in SEPARATE:
+            return ("separate", kind)
+        if isinstance(spec, GridKind):
+            return self._grid(spec).signature(spec.dims)
+        if isinstance(spec, SplitKind):
+            radix = spec.radices[spec.level]
+            return () if radix == 1 else self.signature(spec.base) if radix == math.prod(spec.radices) \
+                else ("split", self.signature(spec.base), spec.radices, spec.level)
+        if isinstance(spec, BlockKind):
+            return ("blocks", self.signature(spec.base), spec.size)
+        if isinstance(spec, PickKind):
+            # A pick is a non-empty subset of the pipeline: all of it with one stage, and
+            # megatron-core's default embedding pick (first and last) is all of it up to two.
+            if self.pp == 1 or (spec.which == "embedding" and self.embedding_ranks is None and self.pp == 2):
+                return self.signature("pp")
+            return ("picked", spec.which)
+        if spec.runs == self.edp:
+            return ((1, self.world_size),)  # the whole world
+        return ("instance", spec.runs)
 
     def same_group(self, kind_a: str, kind_b: str) -> bool:
         """Whether every rank's group of ``kind_a`` equals its group of ``kind_b``."""
-        a, b = set(self._kind_dims(kind_a)), set(self._kind_dims(kind_b))
-        return all(self.size(d) == 1 for d in a ^ b)
+        return self.signature(kind_a) == self.signature(kind_b)
 
 
-#: Until the plan composes a decoder and an expert grid, the plan is one grid.
-TopologyPlan = Grid
+def _split_positions(spec: SplitKind, position: int) -> list[int]:
+    """Positions in the base group that differ from ``position`` only in digit ``level``."""
+    radices, level = spec.radices, spec.level
+    unit = math.prod(radices[:level])
+    digit = position // unit % radices[level]
+    base = position - digit * unit
+    return [base + i * unit for i in range(radices[level])]
+
+
+def _split_index(spec: SplitKind, position: int) -> int:
+    """Index of the split group holding ``position`` among the split groups of one base group."""
+    index, acc = 0, 1
+    for i, radix in enumerate(spec.radices):
+        if i == spec.level:
+            continue
+        index += (position // math.prod(spec.radices[:i]) % radix) * acc
+        acc *= radix
+    return index
+
+
+def hybrid_sizes(n: int) -> list[int]:
+    """megatron-core's hybrid dp x cp group sizes for ``n`` ranks: the powers of two from 2 below 2**floor(log2 n)."""
+    return [2 ** i for i in range(1, max(n.bit_length() - 1, 1))]
+
+
+def default_embedding_ranks(pp_ranks: list[int]) -> list[int]:
+    """The stages holding the word embeddings: the first and the last (one stage: that one)."""
+    return [pp_ranks[0]] if len(pp_ranks) == 1 else [pp_ranks[0], pp_ranks[-1]]
+
+
+def default_position_embedding_ranks(pp_ranks: list[int]) -> list[int]:
+    """The stage holding the position embeddings: the first."""
+    return [pp_ranks[0]]

@@ -6,11 +6,11 @@ import datetime
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from parallel_state.errors import ParallelStateError
-from parallel_state.plan import KINDS, TopologyPlan
+from parallel_state.errors import ParallelStateAssertionError, ParallelStateTypeError
+from parallel_state.plan import TopologyPlan
 
-#: The gloo side groups Megatron builds for CPU-side data-parallel work.
-GLOO_KINDS: tuple[str, ...] = ("dp", "dp-cp")
+#: The gloo side groups Megatron builds for CPU-side data-parallel work (kinds of the plan).
+GLOO_KINDS: tuple[str, ...] = ("dp-cp", "dp-cp-intra", "dp", "edp", "edp-intra")
 
 
 @dataclass
@@ -20,7 +20,8 @@ class ParallelState:
     plan: TopologyPlan
     rank: int
     timeout: datetime.timedelta
-    #: kind -> this rank's group; kinds with equal rank sets share one group object.
+    #: kind -> this rank's group (None where it is in no group of the kind); kinds with equal
+    #: rank sets share one group object.
     groups: dict[str, Any] = field(default_factory=dict)
     #: kind -> this rank's gloo group (only with create_gloo_process_groups).
     gloo_groups: dict[str, Any] = field(default_factory=dict)
@@ -42,12 +43,34 @@ _state: ParallelState | None = None
 #: Values set through Megatron's set_* functions; they win over the live groups, as in Megatron.
 overrides: dict[str, Any] = {}
 _teardown_hooks: list[Callable[[], None]] = []
+#: Called after every change of the state or the overrides (the accessors' answers refresh there).
+_change_hooks: list[Callable[[], None]] = []
+
+
+def on_change(hook: Callable[[], None]) -> None:
+    """Call ``hook`` after every build, teardown and override change."""
+    if hook not in _change_hooks:
+        _change_hooks.append(hook)
+
+
+def _changed() -> None:
+    for hook in _change_hooks:
+        hook()
+
+
+def set_override(key: str, value: Any) -> None:
+    """Set (or, with None, clear) one of Megatron's set_* values, which win over the live groups."""
+    if value is None:
+        overrides.pop(key, None)
+    else:
+        overrides[key] = value
+    _changed()
 
 
 def current(what: str = "this accessor") -> ParallelState:
     """The live state, or a ParallelStateError that says what to call first."""
     if _state is None:
-        raise ParallelStateError(
+        raise ParallelStateAssertionError(
             f"{what} needs the model-parallel groups, which are not initialized: call "
             f"parallel_state.initialize_model_parallel(...) (after torch.distributed.init_process_group) first"
         )
@@ -62,8 +85,6 @@ def peek() -> ParallelState | None:
 def register_teardown_hook(hook: Callable[[], None]) -> None:
     """Run ``hook`` on every destroy_model_parallel(); packages built on this one free their state there."""
     if not callable(hook):
-        from parallel_state.errors import ParallelStateTypeError
-
         raise ParallelStateTypeError(f"register_teardown_hook needs a callable taking no arguments, got {hook!r}")
     if hook not in _teardown_hooks:
         _teardown_hooks.append(hook)
@@ -77,15 +98,16 @@ def build(
     pipeline_backend: str | None = None,
     nccl_options: Callable[[str], Any] = lambda kind: None,
     virtual_pipeline_size: int | None = None,
+    sharp_kind: str | None = None,
 ) -> ParallelState:
     """Create this rank's groups for ``plan`` and install them; on any error nothing is left behind."""
     global _state
     import torch.distributed as dist
 
-    from parallel_state.groups import GroupBatch, destroy_groups
+    from parallel_state.groups import GroupBatch, destroy_groups, sharp_enabled
 
     if _state is not None:
-        raise ParallelStateError(
+        raise ParallelStateAssertionError(
             "model-parallel groups are already initialized; call "
             "parallel_state.destroy_model_parallel() before initializing again"
         )
@@ -93,46 +115,41 @@ def build(
     state = ParallelState(plan=plan, rank=rank, timeout=timeout,
                           virtual_pipeline_size=virtual_pipeline_size,
                           virtual_pipeline_rank=0 if virtual_pipeline_size is not None else None)
+    gloo_kinds = GLOO_KINDS if create_gloo_process_groups else ()
     # The counter span depends on the plan only, so it is the same on every rank even when
     # this build fails part-way on some of them.
-    reserve = sum(plan.num_groups(k) for k in KINDS)
-    if create_gloo_process_groups:
-        reserve += sum(plan.num_groups(k) for k in GLOO_KINDS)
+    reserve = sum(plan.num_groups(k) for k in plan.kinds) + sum(plan.num_groups(k) for k in gloo_kinds)
     batch = GroupBatch(timeout=timeout, reserve=reserve)
     try:
-        for kind in KINDS:
-            # Kinds whose groups hold the same ranks (a dimension of size 1) share one group.
-            twin = next((k for k in state.groups if plan.same_group(k, kind)), None)
-            if twin is not None:
-                state.groups[kind] = state.groups[twin]
+        # Kinds whose groups hold the same ranks on every rank share one group.
+        by_signature: dict[Any, Any] = {}
+        for kind in plan.kinds:
+            signature = plan.signature(kind)
+            if signature in by_signature:
+                state.groups[kind] = by_signature[signature]
+                batch.skip(plan.num_groups(kind))
                 continue
-            state.groups[kind] = batch.create(
-                state.ranks(kind),
-                index=plan.group_index(kind, rank),
-                count=plan.num_groups(kind),
-                all_groups=lambda kind=kind: plan.groups(kind),
-                backend=pipeline_backend if kind == "pp" else None,
-                pg_options=nccl_options(kind),
-                desc=kind,
-            )
-        if create_gloo_process_groups:
-            reuse = dist.get_backend() == "gloo"
-            for kind in GLOO_KINDS:
-                twin = next((k for k in state.gloo_groups if plan.same_group(k, kind)), None)
-                if reuse:
-                    state.gloo_groups[kind] = state.groups[kind]
-                elif twin is not None:
-                    state.gloo_groups[kind] = state.gloo_groups[twin]
-                else:
-                    state.gloo_groups[kind] = batch.create(
-                        state.ranks(kind), index=plan.group_index(kind, rank),
-                        count=plan.num_groups(kind), all_groups=lambda kind=kind: plan.groups(kind),
-                        backend="gloo", desc=f"{kind}-gloo",
-                    )
+            with sharp_enabled(kind == sharp_kind) as enable:
+                state.groups[kind] = by_signature[signature] = enable(_create(
+                    batch, plan, kind, rank, backend=pipeline_backend if kind == "pp" else None,
+                    pg_options=nccl_options(kind), desc=kind))
+        reuse = dist.get_backend() == "gloo"
+        gloo_by_signature: dict[Any, Any] = {}
+        for kind in gloo_kinds:
+            signature = plan.signature(kind)
+            if reuse:
+                state.gloo_groups[kind] = state.groups[kind]
+            elif signature in gloo_by_signature:
+                state.gloo_groups[kind] = gloo_by_signature[signature]
+                batch.skip(plan.num_groups(kind))
+            else:
+                state.gloo_groups[kind] = gloo_by_signature[signature] = _create(
+                    batch, plan, kind, rank, backend="gloo", desc=f"{kind}-gloo")
         batch.wait_for_members()
     except BaseException:
         state.groups.clear()  # hand every reference to destroy_groups, which frees the groups
         state.gloo_groups.clear()
+        by_signature = gloo_by_signature = {}
         try:
             destroy_groups(batch.created)
         except Exception:  # the build's own error is the one to report
@@ -142,7 +159,14 @@ def build(
     batch.close()
     state.owned = batch.created
     _state = state
+    _changed()
     return state
+
+
+def _create(batch: Any, plan: TopologyPlan, kind: str, rank: int, **kwargs: Any) -> Any:
+    """This rank's group of ``kind`` (None where it is in none), in the batch's slot for the kind."""
+    return batch.create(plan.group_ranks(kind, rank), index=plan.group_index(kind, rank),
+                        count=plan.num_groups(kind), all_groups=lambda: plan.groups(kind), **kwargs)
 
 
 def teardown() -> None:
@@ -163,6 +187,11 @@ def teardown() -> None:
         state.groups.clear()  # hand every reference to destroy_groups, which frees the groups
         state.gloo_groups.clear()
         del state
-        destroy_groups(owned)
+        try:
+            destroy_groups(owned)
+        finally:
+            _changed()
+    else:
+        _changed()
     if errors:
         raise errors[0]

@@ -58,7 +58,8 @@ def _correct_call_works():
 
 def _describe(exc):
     return {"type": type(exc).__name__, "message": str(exc), "is_pse": isinstance(exc, ParallelStateError),
-            "is_type": isinstance(exc, TypeError), "is_nie": isinstance(exc, NotImplementedError)}
+            "is_type": isinstance(exc, TypeError), "is_nie": isinstance(exc, NotImplementedError),
+            "is_assert": isinstance(exc, AssertionError)}
 
 
 def _missing(message):
@@ -293,8 +294,8 @@ def test_a_dead_rank_fails_the_others_within_the_timeout_and_they_shut_down_clea
 
 # --- 3. bad inputs: every public function, with the documented error ------------------------
 
-def _embedding_ranks(ranks, vp=None):
-    return ranks[:1]
+def _stray_embedding_ranks(ranks, vp=None):
+    return [99]
 
 
 NO_NCCL_BACKEND = next((b for b in ("nccl", "ucc") if not __import__("torch").distributed.is_backend_available(b)), None)
@@ -310,7 +311,7 @@ INIT_ROWS = {
     "cp-negative": (dict(context_parallel_size=-2), ParallelStateError, "context_parallel_size must be >= 1, got -2"),
     "pp-alias-zero": (dict(pp_size=0), ParallelStateError, "pp_size must be >= 1"),
     "cp-not-dividing": (dict(context_parallel_size=3), ParallelStateError,
-                        "world size 4 is not divisible by tp*cp*pp*ep = 1*3*1*1 = 3"),
+                        "world size 4 is not divisible by tp*cp*pp = 1*3*1 = 3"),
     "too-many": (dict(tp_size=2, cp_size=2, pp_size=2), ParallelStateError, "= 8; choose sizes"),
     "both-spellings": (dict(context_parallel_size=2, cp_size=2), TypeError, "pass only one of them"),
     "order-unknown": (dict(order="tp-cp-xp-dp-pp"), ParallelStateError, "unknown token(s) ['xp']"),
@@ -329,24 +330,36 @@ INIT_ROWS = {
                       "create_gloo_process_groups must be True or False"),
     "check-flag-int": (dict(check_consistency=1), TypeError, "check_consistency must be True or False"),
     "sharp-str": (dict(use_sharp="yes"), TypeError, "use_sharp must be True or False"),
-    "sharp": (dict(use_sharp=True), NotImplementedError, "use megatron-core for it"),
+    "sharp-group-alone": (dict(sharp_enabled_group="dp"), AssertionError, "only valid with use_sharp=True"),
+    "sharp-group-unknown": (dict(use_sharp=True, sharp_enabled_group="tp"), AssertionError, "not a SHARP group"),
+    "sharp-replica-one-instance": (dict(use_sharp=True, sharp_enabled_group="dp_replica"), AssertionError,
+                                   "needs num_distributed_optimizer_instances > 1"),
     "minutes-zero": (dict(distributed_timeout_minutes=0), ParallelStateError,
                      "distributed_timeout_minutes must be a positive"),
     "minutes-str": (dict(distributed_timeout_minutes="30"), TypeError, "distributed_timeout_minutes must be a positive"),
     "timeout-int": (dict(timeout=5), TypeError, "datetime.timedelta(seconds=30)"),
     "timeout-zero": (dict(timeout=datetime.timedelta(0)), ParallelStateError, "positive datetime.timedelta"),
     "timeout-negative": (dict(timeout=datetime.timedelta(seconds=-1)), ParallelStateError, "positive datetime.timedelta"),
-    "ep": (dict(expert_model_parallel_size=2), NotImplementedError, "expert parallelism"),
+    "ep-not-dividing": (dict(expert_model_parallel_size=3), ParallelStateError,
+                        "not divisible by expert tp*ep*pp = 1*3*1 = 3"),
+    "ep-pp-order": (dict(expert_model_parallel_size=2, pp_size=2, order="tp-cp-ep-pp-dp"), AssertionError,
+                    "must have the decoder's data-parallel size"),
     "ep-str": (dict(expert_model_parallel_size="2"), TypeError, "expert_model_parallel_size must be a positive int"),
     "ep-zero": (dict(expert_model_parallel_size=0), ParallelStateError, "expert_model_parallel_size must be >= 1"),
-    "etp": (dict(expert_tensor_parallel_size=2), NotImplementedError, "expert_tensor_parallel_size=2"),
-    "optimizer-instances": (dict(num_distributed_optimizer_instances=2), NotImplementedError, "num_distributed_optimizer"),
-    "hierarchical-cp": (dict(hierarchical_context_parallel_sizes=[2, 2]), NotImplementedError, "hierarchical"),
+    "etp-not-dividing": (dict(expert_tensor_parallel_size=3), ParallelStateError, "expert tp*ep*pp = 3*1*1 = 3"),
+    "etp-zero": (dict(expert_tensor_parallel_size=0), ParallelStateError, "expert_tensor_parallel_size must be >= 1"),
+    "optimizer-instances": (dict(num_distributed_optimizer_instances=3), AssertionError,
+                            "must divide the data-parallel sizes"),
+    "hierarchical-cp": (dict(hierarchical_context_parallel_sizes=[2, 2]), AssertionError,
+                        "multiply to 4, not context_parallel_size=1"),
+    "hierarchical-zero": (dict(cp_size=2, hierarchical_context_parallel_sizes=[2, 0]), ParallelStateError,
+                          "a hierarchical context-parallel size must be >= 1"),
     "hierarchical-int": (dict(hierarchical_context_parallel_sizes=4), TypeError, "list of ints"),
-    "hybrid-cp": (dict(hybrid_context_parallel=True), NotImplementedError, "hybrid"),
-    "embedding-ranks": (dict(get_embedding_ranks=_embedding_ranks), NotImplementedError, "embedding groups"),
+    "hybrid-cp": (dict(tp_size=2, pp_size=2, hybrid_context_parallel=True), AssertionError,
+                  "hybrid_context_parallel needs an even number of dp x cp ranks, got 1"),
+    "embedding-ranks": (dict(pp_size=2, get_embedding_ranks=_stray_embedding_ranks), ParallelStateError,
+                        "returned [99]: ranks [99] are not in that pipeline"),
     "embedding-ranks-int": (dict(get_embedding_ranks=3), TypeError, "get_embedding_ranks must be a function"),
-    "all-gather-group": (dict(create_all_gather_group=True), NotImplementedError, "all-gather group"),
     "all-gather-group-str": (dict(create_all_gather_group="no"), TypeError, "create_all_gather_group must be True"),
     "priority-groups-str": (dict(high_priority_stream_groups="cp"), TypeError, "list of str"),
     "nccl-config-int": (dict(nccl_communicator_config_path=5), TypeError, "path of a YAML file"),
@@ -358,7 +371,7 @@ if NO_NCCL_BACKEND:
     INIT_ROWS["backend-unavailable"] = (dict(pipeline_model_parallel_comm_backend=NO_NCCL_BACKEND), ParallelStateError,
                                         "is not available in this torch build")
 
-_KIND = {TypeError: "is_type", ParallelStateError: "is_pse", NotImplementedError: "is_nie"}
+_KIND = {TypeError: "is_type", ParallelStateError: "is_pse", NotImplementedError: "is_nie", AssertionError: "is_assert"}
 
 
 def case_bad_initialize(rows):
@@ -529,10 +542,16 @@ def test_destroy_right_after_initialize_is_safe(pools):
 BEFORE_INIT_VALUE = {
     "is_initialized": False, "model_parallel_is_initialized": False, "is_unitialized": True,
     "get_virtual_pipeline_model_parallel_world_size": None, "get_virtual_pipeline_model_parallel_rank": None,
+    # megatron-core: no embedding ranks, no separate group; the expert tensor sizes fall back to tp's override.
+    "is_rank_in_embedding_group": False, "is_rank_in_position_embedding_group": False,
+    "has_separate_all_gather_group": False, "get_expert_tensor_parallel_world_size": None,
+    "get_expert_tensor_parallel_rank": None,
 }
 SETTERS = {"set_data_parallel_rank", "set_pipeline_model_parallel_rank", "set_pipeline_model_parallel_world_size",
            "set_tensor_model_parallel_rank", "set_tensor_model_parallel_world_size",
-           "set_virtual_pipeline_model_parallel_rank", "set_virtual_pipeline_model_parallel_world_size"}
+           "set_virtual_pipeline_model_parallel_rank", "set_virtual_pipeline_model_parallel_world_size",
+           "set_expert_model_parallel_rank", "set_expert_model_parallel_world_size", "set_expert_tensor_parallel_rank",
+           "set_expert_tensor_parallel_world_size"}
 
 
 def _public_accessors():
@@ -590,12 +609,12 @@ def case_accessor_arguments():
         fn = getattr(ps, name)
         params = inspect.signature(fn).parameters
         for flag_name in ("with_context_parallel", "check_initialized", "ignore_virtual", "partial_data_parallel",
-                          "independent_all_gather"):
+                          "independent_all_gather", "tp_only_amax_red", "partial_expert_data_parallel"):
             if flag_name in params:
                 rows[f"{name}({flag_name}='yes')"] = ({flag_name: "yes"}, "is_type", f"{flag_name} must be True or False")
-        for flag_name in ("partial_data_parallel", "independent_all_gather"):
-            if flag_name in params:
-                rows[f"{name}({flag_name}=True)"] = ({flag_name: True}, "is_nie", "not supported")
+        if "partial_data_parallel" in params:  # megatron-core asserts: partial data parallelism includes cp
+            rows[f"{name}(partial_data_parallel=True)"] = ({"partial_data_parallel": True}, "is_assert",
+                                                           "pass with_context_parallel=True together")
         if name not in SETTERS:
             rows[f"{name}(no_such_flag=True)"] = ({"no_such_flag": True}, "is_type", "no_such_flag")
         else:
@@ -674,7 +693,7 @@ PLAN_ROWS = [  # (call, documented exception, text)
     (lambda: TopologyPlan(8, tp=False), ParallelStateTypeError, "tp size must be a positive int"),
     (lambda: TopologyPlan(-8), ParallelStateError, "world_size must be >= 1"),
     (lambda: TopologyPlan(8, ep=0), ParallelStateError, "ep size must be >= 1"),
-    (lambda: TopologyPlan(8, cp=3), ParallelStateError, "not divisible by tp*cp*pp*ep = 1*3*1*1 = 3"),
+    (lambda: TopologyPlan(8, cp=3), ParallelStateError, "not divisible by tp*cp*pp = 1*3*1 = 3"),
     (lambda: TopologyPlan(8, order=["tp", "cp"]), ParallelStateTypeError, "order must be a string"),
     (lambda: TopologyPlan(8, order="tp-cp-ep-dp-pp-xx"), ParallelStateError, "unknown token(s) ['xx']"),
     (lambda: TopologyPlan(8, order="pp-tp-pp"), ParallelStateError, "repeats token(s) ['pp']"),

@@ -1,0 +1,178 @@
+"""Every accessor's answer, computed once per change of the state or the overrides.
+
+An accessor runs per layer and per micro-batch, so it must cost a lookup: the answers live in
+one dict, ``ANSWERS``, keyed ``"<kind>.<what>"`` (``"tp.rank"``, ``"dp-cp.group"``,
+``"pp.next"``). It is filled when the groups are built, refilled when a ``set_*`` override
+changes, and emptied on destroy. A key that is absent falls to ``__missing__``, which gives
+megatron-core's answer for that situation (0 for some ranks and sizes outside a distributed
+run, None for the virtual pipeline) or the error saying what to do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from parallel_state import state as _st
+from parallel_state.errors import ParallelStateAssertionError
+
+#: Megatron's set_* values (override keys of state.overrides) -> the answers they replace.
+OVERRIDES: dict[str, tuple[str, ...]] = {
+    "tensor_model_parallel_world_size": ("tp.size",),
+    "tensor_model_parallel_rank": ("tp.rank",),
+    "pipeline_model_parallel_world_size": ("pp.size",),
+    "pipeline_model_parallel_rank": ("pp.rank",),
+    "data_parallel_rank": ("dp.rank", "dp-cp.rank", "dp-cp-intra.rank"),
+    "virtual_pipeline_model_parallel_world_size": ("vpp.size",),
+    "virtual_pipeline_model_parallel_rank": ("vpp.rank",),
+    "expert_model_parallel_world_size": ("ep.size",),
+    "expert_model_parallel_rank": ("ep.rank",),
+    "expert_tensor_parallel_world_size": ("etp.size",),
+    "expert_tensor_parallel_rank": ("etp.rank",),
+}
+
+#: Ranks and sizes megatron-core reports as 0 while torch.distributed is not initialized.
+ZERO_WITHOUT_DIST = frozenset(f"{kind}.{what}" for kind in (
+    "dp", "dp-cp", "dp-cp-intra", "cp", "tp-cp", "ep", "etp-ep", "edp", "edp-intra") for what in ("rank", "size"))
+
+
+def _pp_at(a: Any, step: int) -> int:
+    return a["pp.ranks"][(a["pp.rank"] + step) % a["pp.size"]]
+
+
+def _all_ranks(a: Any) -> str:
+    return "_".join(str(a[k] or 0) for k in ("tp.rank", "dp.rank", "cp.rank", "pp.rank", "ep.rank"))
+
+
+#: Answers computed from other answers: precomputed when possible, else computed on access
+#: (so that overrides set before initialize answer as in megatron-core).
+DERIVED: dict[str, Callable[[Any], Any]] = {
+    "pp.is_first": lambda a: a["pp.rank"] == 0,
+    "pp.is_last": lambda a: a["pp.rank"] == a["pp.size"] - 1,
+    "pp.first": lambda a: a["pp.ranks"][0],
+    "pp.last": lambda a: a["pp.ranks"][a["pp.size"] - 1],
+    "pp.next": lambda a: _pp_at(a, 1),
+    "pp.prev": lambda a: _pp_at(a, -1),
+    "tp.src": lambda a: a["tp.ranks"][0],
+    "tp-pp.src": lambda a: a["tp-pp.ranks"][0],
+    "dp.src": lambda a: a["dp.ranks"][0],
+    "dp-cp.src": lambda a: a["dp-cp.ranks"][0],
+    "ep.src": lambda a: a["ep.ranks"][0],
+    "all_ranks": _all_ranks,
+}
+
+#: What to do when a kind was not built although the groups exist.
+_NOT_BUILT = {
+    "dp-cp-ag": "initialize with create_all_gather_group=True to have the separate all-gather group",
+    "edp-inter": "initialize with num_distributed_optimizer_instances > 1 to have the inter-instance group",
+    "hcp": "initialize with hierarchical_context_parallel_sizes=[...] to have hierarchical context-parallel groups",
+    "embd": "this rank holds no embedding (its pipeline stage is not one get_embedding_ranks picked)",
+    "pos-embd": "this rank holds no position embedding (its stage is not one get_position_embedding_ranks picked)",
+}
+
+
+class Answers(dict):
+    """The answers dict; ``__missing__`` handles every key that has no precomputed answer."""
+
+    def __missing__(self, key: str) -> Any:
+        derive = DERIVED.get(key)
+        if derive is not None:
+            return derive(self)
+        kind, _, what = key.rpartition(".")
+        state = _st.peek()
+        if state is None:
+            if key in ZERO_WITHOUT_DIST and not _dist_ready():
+                return 0
+            if kind == "vpp":
+                return None
+            if kind == "etp" and what in ("rank", "size"):
+                # megatron-core falls back to the tensor-parallel override (None when unset).
+                return _st.overrides.get(f"tensor_model_parallel_{'rank' if what == 'rank' else 'world_size'}")
+            _st.current(_describe(kind, what))  # raises, saying what to call first
+        if what == "gloo" and not state.gloo_groups:
+            raise ParallelStateAssertionError(
+                f"the gloo {LABELS.get(kind, kind)} group was not created: initialize_model_parallel was called with "
+                f"create_gloo_process_groups=False; initialize with create_gloo_process_groups=True to have it"
+            )
+        hint = _NOT_BUILT.get(kind.split("-l")[0] if kind.startswith("cp-l") else kind)
+        raise ParallelStateAssertionError(
+            f"there is no {_describe(kind, what)} on this rank" + (f": {hint}" if hint else "")
+        )
+
+
+#: How messages name each kind.
+LABELS = {
+    "tp": "tensor-model-parallel", "pp": "pipeline-model-parallel", "cp": "context-parallel", "dp": "data-parallel",
+    "dp-cp": "data-parallel (with context parallel)", "tp-pp": "model-parallel (tp-pp)",
+    "tp-cp": "tensor-and-context-parallel", "tp-dp": "tensor-and-data-parallel",
+    "tp-dp-cp": "tensor-and-data-parallel (with context parallel)",
+    "dp-cp-intra": "partial (one optimizer instance) data-parallel", "dp-cp-ag": "separate all-gather data-parallel",
+    "embd": "embedding", "pos-embd": "position-embedding", "ep": "expert-model-parallel",
+    "etp": "expert-tensor-parallel", "etp-ep": "expert tensor-and-model-parallel",
+    "etp-ep-pp": "expert tensor-model-pipeline-parallel", "edp": "expert data-parallel",
+    "edp-intra": "partial expert data-parallel", "edp-inter": "inter distributed-optimizer-instance",
+    "dist-opt": "intra distributed-optimizer-instance", "hcp": "hierarchical context-parallel",
+    "hybrid": "hybrid data-and-context-parallel", "vpp": "virtual pipeline", "embd.in": "embedding",
+}
+
+
+def _describe(kind: str, what: str) -> str:
+    noun = {"group": "group", "rank": "rank", "size": "world size", "ranks": "global ranks", "gloo": "gloo group",
+            "src": "source rank", "groups": "groups"}.get(what, what)
+    return f"the {LABELS.get(kind, kind)} {noun}"
+
+
+def _dist_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+ANSWERS = Answers()
+
+
+def compute(state: _st.ParallelState | None, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Every answer for ``state`` (None: only the overrides') with ``overrides`` applied."""
+    out: dict[str, Any] = {}
+    if state is not None:
+        plan = state.plan
+        for kind in plan.kinds:
+            group = state.groups.get(kind)
+            out[f"{kind}.group"] = group
+            ranks = state.ranks(kind)
+            if group is None and not ranks:
+                continue  # not a member (embedding stages): the group accessors report None / assert
+            out[f"{kind}.ranks"] = list(ranks)
+            out[f"{kind}.size"] = len(ranks)
+            out[f"{kind}.rank"] = state.group_rank(kind)
+        for kind, group in state.gloo_groups.items():
+            out[f"{kind}.gloo"] = group
+        out["embd.in"] = "embd.ranks" in out
+        out["pos-embd.in"] = "pos-embd.ranks" in out
+        levels = [k for k in plan.kinds if k.startswith("cp-l")]
+        if levels:
+            out["hcp.groups"] = [state.groups[k] for k in levels]
+        out["hybrid.groups"] = {plan.kinds[k].size: state.groups[k] for k in plan.kinds
+                                if k.startswith("dp-cp-hybrid")}
+        out["vpp.size"] = state.virtual_pipeline_size
+        out["vpp.rank"] = state.virtual_pipeline_rank
+        out["initialized"] = True
+    for key, value in overrides.items():
+        for answer in OVERRIDES[key]:
+            out[answer] = value
+    return out
+
+
+def refresh() -> None:
+    """Recompute every answer from the live state and the overrides."""
+    fresh = Answers(compute(_st.peek(), _st.overrides))
+    for key, derive in DERIVED.items():
+        try:
+            fresh[key] = derive(fresh)
+        except Exception:  # not answerable now (no groups yet): __missing__ explains on access
+            pass
+    # One dict object for the life of the process: the accessors hold it directly.
+    ANSWERS.clear()
+    ANSWERS.update(fresh)
+
+
+_st.on_change(refresh)

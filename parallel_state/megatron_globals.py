@@ -1,0 +1,101 @@
+"""megatron-core's private module globals, each read from the live answers (no second copy of the state).
+
+Libraries and tests read ``megatron.core.parallel_state._TENSOR_MODEL_PARALLEL_GROUP`` and its
+siblings directly. ``parallel_state.<that name>`` answers through the package's module
+``__getattr__`` with the live value (None when nothing is initialized), and the bridge writes
+the same values into megatron-core's module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from parallel_state import state as _st
+from parallel_state.answers import ANSWERS, OVERRIDES
+
+#: megatron-core global -> the answer it holds.
+FROM_ANSWERS: dict[str, str] = {
+    "_TENSOR_MODEL_PARALLEL_GROUP": "tp.group",
+    "_PIPELINE_MODEL_PARALLEL_GROUP": "pp.group",
+    "_MODEL_PARALLEL_GROUP": "tp-pp.group",
+    "_EMBEDDING_GROUP": "embd.group",
+    "_POSITION_EMBEDDING_GROUP": "pos-embd.group",
+    "_DATA_PARALLEL_GROUP": "dp.group",
+    "_DATA_PARALLEL_GROUP_GLOO": "dp.gloo",
+    "_TENSOR_AND_DATA_PARALLEL_GROUP": "tp-dp.group",
+    "_EXPERT_MODEL_PARALLEL_GROUP": "ep.group",
+    "_EXPERT_TENSOR_PARALLEL_GROUP": "etp.group",
+    "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "etp-ep.group",
+    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": "etp-ep-pp.group",
+    "_EXPERT_DATA_PARALLEL_GROUP": "edp.group",
+    "_EXPERT_DATA_PARALLEL_GROUP_GLOO": "edp.gloo",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "edp-intra.group",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": "edp-intra.gloo",
+    "_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "edp-inter.group",
+    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": "vpp.rank",
+    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": "vpp.size",
+    "_EMBEDDING_GLOBAL_RANKS": "embd.ranks",
+    "_POSITION_EMBEDDING_GLOBAL_RANKS": "pos-embd.ranks",
+    "_PIPELINE_GLOBAL_RANKS": "pp.ranks",
+    "_DATA_PARALLEL_GLOBAL_RANKS": "dp.ranks",
+    "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": "tp.ranks",
+    "_EXPERT_MODEL_PARALLEL_RANKS": "ep.ranks",
+    "_MODEL_PARALLEL_GLOBAL_RANKS": "tp-pp.ranks",
+    "_CONTEXT_PARALLEL_GROUP": "cp.group",
+    "_CONTEXT_PARALLEL_GLOBAL_RANKS": "cp.ranks",
+    "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS": "hcp.groups",
+    "_DATA_PARALLEL_GROUP_WITH_CP": "dp-cp.group",
+    "_DATA_PARALLEL_GROUP_WITH_CP_AG": "dp-cp-ag.group",
+    "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": "dp-cp.gloo",
+    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": "dp-cp.ranks",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": "dp-cp-intra.group",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": "dp-cp-intra.gloo",
+    "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tp-cp.group",
+    "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "tp-dp-cp.group",
+    "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": "dist-opt.group",
+}
+
+#: megatron-core's _MPU_* caches -> our set_* override keys; they win over the groups in both.
+FROM_OVERRIDES: dict[str, str] = {
+    f"_MPU_{key.upper()}": key for key in OVERRIDES if not key.startswith("virtual")
+}
+
+#: What megatron-core holds in a global while nothing is initialized (None unless listed).
+EMPTY: dict[str, Any] = {"_HYBRID_DP_CP_GROUPS": {}}
+
+
+def _process_group_list() -> list[Any] | None:
+    state = _st.peek()
+    return None if state is None else [None, *state.owned]  # None stands for the default group
+
+
+def _memory_buffer() -> Any:
+    from parallel_state import memory
+
+    return memory.current_global_memory_buffer()
+
+
+#: Globals computed by a function of their own.
+COMPUTED = {
+    "_HYBRID_DP_CP_GROUPS": lambda: ANSWERS.get("hybrid.groups", {}),
+    "_global_process_group_list": _process_group_list,
+    "_GLOBAL_MEMORY_BUFFER": _memory_buffer,
+    "_GLOBAL_SYMMETRIC_MEMORY_BUFFER": lambda: None,
+    "_MPU_DATA_PARALLEL_WORLD_SIZE": lambda: None,  # megatron-core has no setter for it
+}
+
+NAMES = frozenset(FROM_ANSWERS) | frozenset(FROM_OVERRIDES) | frozenset(COMPUTED)
+
+
+def value(name: str) -> Any:
+    """The live value of megatron-core's global ``name``."""
+    if name in FROM_ANSWERS:
+        return ANSWERS.get(FROM_ANSWERS[name])
+    if name in FROM_OVERRIDES:
+        return _st.overrides.get(FROM_OVERRIDES[name])
+    return COMPUTED[name]()
+
+
+def values() -> dict[str, Any]:
+    """Every global's live value."""
+    return {name: value(name) for name in NAMES}
