@@ -85,8 +85,9 @@ def load_nccl_comm_cfgs(path: str | None, high_priority_stream_groups: Sequence[
     """The per-group NCCL settings: the YAML file at ``path`` (None: none), plus a high-priority stream
     for each group named in ``high_priority_stream_groups``.
 
-    As megatron-core's ``initialize_model_parallel`` reads them; a file that is not a mapping of
-    group name -> mapping of settings is an error here rather than later.
+    As megatron-core's ``initialize_model_parallel`` reads them; an empty file (or one whose
+    entries are all commented out) means no settings, and a file that is not a mapping of group
+    name -> mapping of settings is an error here rather than later.
     """
     cfgs: dict[str, dict[str, Any]] = {}
     if path is not None:
@@ -109,11 +110,13 @@ def load_nccl_comm_cfgs(path: str | None, high_priority_stream_groups: Sequence[
                 f"nccl_communicator_config_path={path!r} cannot be read ({exc}); pass the path of a YAML file "
                 f"of per-group NCCL settings, or None"
             ) from exc
+        if loaded is None:  # empty, or every entry commented out: no settings (megatron-core would crash later)
+            loaded = {}
         if not isinstance(loaded, dict):
             raise ParallelStateError(
-                f"nccl_communicator_config_path={path!r} holds {type(loaded).__name__} "
-                f"{'(the file is empty)' if loaded is None else repr(loaded)[:80]}, not a mapping of group name -> "
-                f"settings, e.g.\n  tp:\n    max_ctas: 16\n  dp_cp:\n    is_high_priority_stream: true"
+                f"nccl_communicator_config_path={path!r} holds {type(loaded).__name__} {repr(loaded)[:80]}, not a "
+                f"mapping of group name -> settings, e.g.\n  tp:\n    max_ctas: 16\n  dp_cp:\n"
+                f"    is_high_priority_stream: true"
             )
         for name, settings in loaded.items():
             if not isinstance(settings, dict):

@@ -260,8 +260,10 @@ def test_load_nccl_comm_cfgs(tmp_path):
     path.write_text("- tp\n")
     with pytest.raises(ParallelStateError, match="not a mapping"):
         load_nccl_comm_cfgs(str(path))
-    path.write_text("")
-    with pytest.raises(ParallelStateError, match="the file is empty"):
+    path.write_text("# tp:\n#   max_ctas: 16\n")
+    assert load_nccl_comm_cfgs(str(path), ["tp"]) == {"tp": {"is_high_priority_stream": True}}
+    path.write_text("tp: 16\n")
+    with pytest.raises(ParallelStateError, match="the settings of group 'tp' must be a mapping"):
         load_nccl_comm_cfgs(str(path))
 
 
