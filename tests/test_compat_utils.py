@@ -404,6 +404,7 @@ def _groups_and_timeouts(expected_hier, expected_hybrid):
             "hier_desc": [g.group_desc for g in hier + hier_gloo],
             "hybrid": {size: dist.get_process_group_ranks(g) for size, g in hybrid.items()},
             "errors": errors,
+            "buffer_device": str(GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "x").device),
         } | {"ok": (expected_hier[me], expected_hybrid[me])}
     finally:
         for group in made:
@@ -437,6 +438,7 @@ def test_create_group_and_update_pg_timeout_on_gloo_ranks(pools, mc, monkeypatch
         assert res["hier_desc"] == expected_descs[rank]
         assert res["errors"][:2] == ["ParallelStateTypeError", "ParallelStateError"]
         assert "outside the world of 4 ranks" in res["errors"][2]
+        assert res["buffer_device"] == "cpu"  # the collective device under gloo
 
 
 def test_create_group_needs_torch_distributed():
