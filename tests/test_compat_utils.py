@@ -373,6 +373,15 @@ def _groups_and_timeouts(expected_hier, expected_hybrid):
         recorded = pgs.process_groups()
         assert recorded[0] is None and mine in recorded and whole in recorded
         assert (odd in recorded) == (me in (1, 3))
+        # The core registers groups it built itself; repeats and non-member placeholders are skipped.
+        pgs.register_process_groups([mine, whole, None, dist.GroupMember.NON_GROUP_MEMBER])
+        assert pgs.process_groups() == recorded
+        try:
+            pgs.register_process_groups(["tp"])
+        except ParallelStateTypeError:
+            pass
+        else:
+            raise AssertionError("register_process_groups took a str")
 
         hier, hier_gloo = create_hierarchical_groups(me, [0, 1, 2, 3], [2, 2], create_gloo_process_groups=True,
                                                      group_desc="HCP")
