@@ -1,0 +1,209 @@
+"""Accessor call cost on real gloo ranks (127.0.0.1): parallel_state against megatron-core.
+
+Every public ``get_*`` / ``is_*`` function of ``megatron.core.parallel_state`` that takes no
+required argument is timed (plus ``with_context_parallel=True`` for those that take it) after
+each implementation's own ``initialize_model_parallel`` of the same cp x pp topology, in the
+same ``--world`` rank processes: parallel_state first (megatron-core not yet imported, so
+nothing is bridged), then destroy, then megatron-core. Only rank 0 times, while the others
+wait at a barrier, so the ranks do not compete for the cores. A row is the best of
+``--repeat`` runs of ``--calls`` calls, in ns per call (the loop included, equally for both).
+Functions that raise on megatron-core's side in this topology are listed as skipped; names
+parallel_state does not have (yet) are shown as missing.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+from benchmarks.harness import ROOT, emit, parse, ratio, table, worker_env
+
+#: A row: (accessor name, keyword arguments), named as the table shows it.
+Row = tuple[str, dict[str, Any]]
+
+
+def accessor_rows() -> list[Row]:
+    """megatron-core's accessors callable without arguments, plus their with_context_parallel=True variants."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core import parallel_state as mc
+
+    rows: list[Row] = []
+    for name, fn in sorted(vars(mc).items()):
+        if not name.startswith(("get_", "is_")) or not inspect.isfunction(fn) or fn.__module__ != mc.__name__:
+            continue
+        params = inspect.signature(fn).parameters.values()
+        if any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               for p in params):
+            continue
+        rows.append((name, {}))
+        if "with_context_parallel" in inspect.signature(fn).parameters:
+            rows.append((name, {"with_context_parallel": True}))
+    return rows
+
+
+def label(row: Row) -> str:
+    """The row's name as the table shows it."""
+    name, kwargs = row
+    return name + ("(" + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")" if kwargs else "")
+
+
+def _time(fn: Callable[[], Any], calls: int, repeat: int) -> float:
+    """Best-of-``repeat`` ns per call over ``calls`` calls (garbage collection off, as timeit does)."""
+    import timeit
+
+    return min(timeit.repeat(fn, number=calls, repeat=repeat)) / calls * 1e9
+
+
+def _measure(module: Any, rows: list[Row], calls: int, repeat: int) -> dict[str, Any]:
+    """Each row's ns per call, or why it has none: "missing" or "raises <type>: <message>"."""
+    import functools
+    import warnings
+
+    out: dict[str, Any] = {}
+    for row in rows:
+        name, kwargs = row
+        fn = getattr(module, name, None)
+        if fn is None:
+            out[label(row)] = "missing"
+            continue
+        call = functools.partial(fn, **kwargs)  # both implementations pay the same partial
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # megatron-core warns on every call of its deprecated names
+            try:
+                call()
+            except Exception as exc:
+                out[label(row)] = f"raises {type(exc).__name__}: {str(exc).splitlines()[0][:70] if str(exc) else ''}"
+                continue
+            out[label(row)] = _time(call, calls, repeat)
+    return out
+
+
+def _worker(rank: int, world: int, port: int, cp: int, pp: int, rows: list[Row], calls: int,
+            repeat: int) -> dict[str, Any]:
+    """One rank: initialize, time (rank 0), destroy; parallel_state first, then megatron-core."""
+    import importlib
+    import warnings
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=300)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    result = {}
+    for impl, module_name in (("parallel_state", "parallel_state"), ("megatron-core", "megatron.core.parallel_state")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ps = importlib.import_module(module_name)
+        ps.initialize_model_parallel(context_parallel_size=cp, pipeline_model_parallel_size=pp,
+                                     distributed_timeout_minutes=5)
+        dist.barrier()
+        if rank == 0:
+            result[impl] = _measure(ps, rows, calls, repeat)
+        dist.barrier()
+        ps.destroy_model_parallel()
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+def run_world(world: int, cp: int, pp: int, rows: list[Row], calls: int, repeat: int,
+              timeout: float) -> dict[str, Any]:
+    """Start ``world`` rank processes and return rank 0's figures."""
+    import json
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=timeout))
+    env = worker_env({"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.bench_accessors", "--worker", "--rank", str(r), "--world", str(world),
+             "--port", str(server.port), "--cp", str(cp), "--pp", str(pp), "--calls", str(calls),
+             "--repeat", str(repeat), "--rows", json.dumps(rows)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + timeout
+    outputs: list[tuple[str, str]] = []
+    try:
+        for r, proc in enumerate(procs):
+            try:
+                outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"rank {r} did not finish within {timeout:.0f} s") from None
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        del server
+    failed = [r for r, proc in enumerate(procs) if proc.returncode != 0]
+    if failed:
+        detail = "\n".join(f"--- rank {r} (exit status {procs[r].returncode}):\n{outputs[r][1][-1500:]}"
+                           for r in failed)
+        raise RuntimeError(f"rank(s) {failed} failed\n{detail}")
+    return parse(outputs[0][0], "bench_accessors rank 0")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the table; the exit status is 0 unless a rank failed."""
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_accessors", description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=20_000)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for the world")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--rows", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        rows = [(name, kwargs) for name, kwargs in json.loads(args.rows)]
+        emit(_worker(args.rank, args.world, args.port, args.cp, args.pp, rows, args.calls, args.repeat))
+        return 0
+    rows = accessor_rows()
+    figures = run_world(args.world, args.cp, args.pp, rows, args.calls, args.repeat, args.timeout)
+    ours, theirs = figures["parallel_state"], figures["megatron-core"]
+    table_rows, skipped = [], []
+    for row in rows:
+        key = label(row)
+        if not isinstance(theirs[key], float):
+            skipped.append(f"{key} ({theirs[key]})")
+            continue
+        mine = ours[key]
+        if isinstance(mine, float):
+            table_rows.append([key, f"{mine:.0f}", f"{theirs[key]:.0f}", ratio(theirs[key], mine)])
+        else:
+            table_rows.append([key, mine, f"{theirs[key]:.0f}", "-"])
+    timed = [r for r in table_rows if r[3] != "-"]
+    notes = [
+        f"Rank 0 of {args.world} gloo ranks, cp={args.cp} x pp={args.pp}, each implementation after its own "
+        f"initialize_model_parallel; best of {args.repeat} x {args.calls:,} calls, ns per call including the loop "
+        f"and a functools.partial (equal for both). 'megatron / ours' above 1: parallel_state is faster. "
+        f"{len(timed)} of {len(table_rows)} accessors timed on both sides.",
+    ]
+    if skipped:
+        notes.append("Skipped, raising on megatron-core's side in this topology: " + "; ".join(skipped) + ".")
+    print(table(
+        f"accessor calls on {args.world} real gloo ranks (127.0.0.1), cp={args.cp} x pp={args.pp}",
+        ["accessor", "ours ns", "megatron ns", "megatron / ours"],
+        table_rows, notes=notes,
+    ))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""megatron-core 0.16's global memory buffers, on the device collectives use.
+
+``GlobalMemoryBuffer`` hands out views of one reused buffer per (name, dtype), as
+megatron-core's does, but allocates on the collective device (the CPU under gloo, the
+rank's CUDA device under NCCL) rather than always on CUDA, so code that takes its scratch
+tensors from it (megatron-core's attention, its tensor-parallel gathers) also runs on a CPU
+world. ``GlobalSymmetricMemoryBuffer`` (NVLS inference collectives) needs CUDA and torch's
+symmetric memory, and says so when they are missing.
+
+The module-level buffers follow megatron-core's lifecycle: ``initialize_model_parallel``
+sets the memory buffer, ``destroy_model_parallel`` drops both.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from contextlib import nullcontext
+from typing import Any, Callable, Optional, Sequence
+
+from parallel_state.arguments import is_int
+from parallel_state.compat_errors import ParallelStateAssertionError
+from parallel_state.errors import ParallelStateError, ParallelStateTypeError
+
+
+def _default_device() -> Any:
+    """The collective device in a distributed run, else the CPU."""
+    import torch
+
+    from parallel_state.resolve import collective_device, dist_ready
+
+    return collective_device() if dist_ready() else torch.device("cpu")
+
+
+def _numel(tensor_shape: Any) -> int:
+    """The number of elements of ``tensor_shape``, or an error saying what a shape is."""
+    # The common case (a tuple, list or torch.Size of plain ints) costs one pass.
+    if isinstance(tensor_shape, (tuple, list)) and all(type(s) is int and s >= 0 for s in tensor_shape):
+        return math.prod(tensor_shape)
+    if isinstance(tensor_shape, (str, bytes)) or not isinstance(tensor_shape, Sequence):
+        raise ParallelStateTypeError(f"tensor_shape must be a sequence of ints such as (4, 1024), got {tensor_shape!r}")
+    if not all(is_int(s) for s in tensor_shape):
+        raise ParallelStateTypeError(f"tensor_shape must hold ints, got {tensor_shape!r}")
+    if any(int(s) < 0 for s in tensor_shape):
+        raise ParallelStateError(f"tensor_shape {tuple(tensor_shape)} has a negative size")
+    return math.prod(int(s) for s in tensor_shape)
+
+
+class GlobalMemoryBuffer:
+    """Scratch tensors that reuse one buffer per (name, dtype); the caller must not use two of one name at once.
+
+    ``device`` fixes where buffers live; by default each allocation goes to the collective
+    device of the run (the CPU outside a distributed run).
+    """
+
+    def __init__(self, *, device: Any = None) -> None:
+        self.buffer: dict[tuple[str, Any], Any] = {}
+        self.device = device
+
+    def get_tensor(self, tensor_shape: Sequence[int], dtype: Any, name: str,
+                   mem_alloc_context: Optional[Callable[[], Any]] = None) -> Any:
+        """A ``tensor_shape`` view of the (name, dtype) buffer, grown first if it is too small.
+
+        Its contents are whatever the buffer last held. ``mem_alloc_context``, a function
+        returning a context manager, wraps any allocation (e.g. a memory pool's).
+        """
+        required = _numel(tensor_shape)
+        buffer = self.buffer.get((name, dtype))
+        if buffer is None or buffer.numel() < required:
+            buffer = self._allocate(required, dtype, name, mem_alloc_context)
+        return buffer[0:required].view(tensor_shape)
+
+    def _allocate(self, numel: int, dtype: Any, name: str, mem_alloc_context: Optional[Callable[[], Any]]) -> Any:
+        import torch
+
+        if not isinstance(dtype, torch.dtype):
+            raise ParallelStateTypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
+        if mem_alloc_context is not None and not callable(mem_alloc_context):
+            raise ParallelStateTypeError(
+                f"mem_alloc_context must be a function returning a context manager, or None, got {mem_alloc_context!r}"
+            )
+        device = self.device if self.device is not None else _default_device()
+        with (mem_alloc_context or nullcontext)():
+            # Drop the old buffer first so its memory can serve the new one.
+            self.buffer.pop((name, dtype), None)
+            buffer = torch.empty(numel, dtype=dtype, device=device, requires_grad=False)
+        self.buffer[(name, dtype)] = buffer
+        return buffer
+
+
+class GlobalSymmetricMemoryBuffer:
+    """One CUDA symmetric-memory buffer over ``process_group`` (megatron-core's NVLS inference collectives).
+
+    Raises when CUDA or torch's symmetric memory is missing. As in megatron-core, when triton
+    is missing or the group cannot share memory (not within one NVLink domain), the buffer is
+    None and :meth:`maybe_get_tensor` answers ``{"tensor": None, "handle": None}``.
+    """
+
+    def __init__(self, size_in_mb: float, process_group: Any) -> None:
+        if isinstance(size_in_mb, bool) or not isinstance(size_in_mb, numbers.Real) or not size_in_mb > 0:
+            raise ParallelStateTypeError(f"size_in_mb must be a positive number such as 256, got {size_in_mb!r}")
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ParallelStateError(
+                "GlobalSymmetricMemoryBuffer needs CUDA (symmetric memory lives on GPUs sharing NVLink) and this "
+                "process has none; it only serves megatron-core's NVLS inference collectives, which a CPU run "
+                "cannot use"
+            )
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+        except ImportError as exc:
+            raise ParallelStateError(
+                f"GlobalSymmetricMemoryBuffer needs torch's symmetric memory (torch.distributed._symmetric_memory), "
+                f"which torch {torch.__version__} lacks; use torch >= 2.5 built with CUDA"
+            ) from exc
+        import torch.distributed as dist
+
+        if not isinstance(process_group, dist.ProcessGroup):
+            raise ParallelStateTypeError(f"process_group must be a process group, got {process_group!r}")
+        self.symm_buffer: Any = None
+        self.symm_mem_hdl: Any = None
+        try:
+            import triton  # noqa: F401  (megatron-core's NVLS kernels are triton kernels)
+        except ImportError:
+            return
+        numel = int(size_in_mb * 1024 * 1024)  # bytes
+        try:
+            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+            if enable is not None:  # deprecated in newer torch, where rendezvous enables the group itself
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", (DeprecationWarning, FutureWarning))
+                    enable(process_group.group_name)
+            self.symm_buffer = symm_mem.empty(numel, dtype=torch.uint8, device="cuda")
+            self.symm_mem_hdl = symm_mem.rendezvous(self.symm_buffer, process_group)
+        except RuntimeError:
+            # The group's GPUs cannot map each other's memory: callers fall back to ordinary collectives.
+            self.symm_buffer = self.symm_mem_hdl = None
+
+    def _can_allocate(self, numel: int, dtype: Any) -> bool:
+        """Whether ``numel`` elements of ``dtype`` fit in the buffer."""
+        if self.symm_mem_hdl is None:
+            return False
+        return numel * dtype.itemsize <= self.symm_buffer.numel()
+
+    def _allocate(self, numel: int, dtype: Any) -> Any:
+        """The first ``numel`` elements of ``dtype`` of the buffer."""
+        return self.symm_buffer[0:numel * dtype.itemsize].view(dtype).view(numel)
+
+    def maybe_get_tensor(self, tensor_shape: Sequence[int], dtype: Any) -> dict[str, Any]:
+        """``{"tensor": a tensor_shape view, "handle": the symmetric-memory handle}``, or both None when it does not fit."""
+        numel = _numel(tensor_shape)
+        if self.symm_mem_hdl is None or not self._can_allocate(numel, dtype):
+            return {"tensor": None, "handle": None}
+        return {"tensor": self._allocate(numel, dtype).view(*tensor_shape), "handle": self.symm_mem_hdl}
+
+
+_GLOBAL_MEMORY_BUFFER: Optional[GlobalMemoryBuffer] = None
+_GLOBAL_SYMMETRIC_MEMORY_BUFFER: Optional[GlobalSymmetricMemoryBuffer] = None
+
+
+def set_global_memory_buffer() -> None:
+    """Create the global memory buffer (``initialize_model_parallel`` calls it)."""
+    global _GLOBAL_MEMORY_BUFFER
+    if _GLOBAL_MEMORY_BUFFER is not None:
+        raise ParallelStateAssertionError(
+            "the global memory buffer is already initialized; call destroy_model_parallel() (or "
+            "destroy_global_memory_buffer()) before initializing again"
+        )
+    _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
+
+
+def set_global_symmetric_memory_buffer(process_group: Any, size_in_mb: float = 256) -> None:
+    """Create the global symmetric memory buffer over ``process_group`` (megatron-core uses the tensor-parallel group)."""
+    global _GLOBAL_SYMMETRIC_MEMORY_BUFFER
+    if _GLOBAL_SYMMETRIC_MEMORY_BUFFER is not None:
+        raise ParallelStateAssertionError(
+            "the global symmetric memory buffer is already initialized; call "
+            "destroy_global_symmetric_memory_buffer() first"
+        )
+    _GLOBAL_SYMMETRIC_MEMORY_BUFFER = GlobalSymmetricMemoryBuffer(size_in_mb=size_in_mb, process_group=process_group)
+
+
+def get_global_memory_buffer() -> GlobalMemoryBuffer:
+    """The global memory buffer."""
+    if _GLOBAL_MEMORY_BUFFER is None:
+        raise ParallelStateAssertionError(
+            "the global memory buffer is not initialized; call initialize_model_parallel() first"
+        )
+    return _GLOBAL_MEMORY_BUFFER
+
+
+def get_global_symmetric_memory_buffer() -> GlobalSymmetricMemoryBuffer:
+    """The global symmetric memory buffer."""
+    if _GLOBAL_SYMMETRIC_MEMORY_BUFFER is None:
+        raise ParallelStateAssertionError(
+            "the global symmetric memory buffer is not initialized; it is created for inference on CUDA "
+            "(megatron-core's dynamic inference context creates it), not by initialize_model_parallel"
+        )
+    return _GLOBAL_SYMMETRIC_MEMORY_BUFFER
+
+
+def destroy_global_memory_buffer() -> None:
+    """Drop the global memory buffer (harmless when there is none)."""
+    global _GLOBAL_MEMORY_BUFFER
+    _GLOBAL_MEMORY_BUFFER = None
+
+
+def destroy_global_symmetric_memory_buffer() -> None:
+    """Drop the global symmetric memory buffer (harmless when there is none)."""
+    global _GLOBAL_SYMMETRIC_MEMORY_BUFFER
+    _GLOBAL_SYMMETRIC_MEMORY_BUFFER = None

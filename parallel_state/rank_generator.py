@@ -1,0 +1,285 @@
+"""megatron-core 0.16's rank-layout helpers, with its names and signatures, over ``plan.Grid``.
+
+``RankGenerator``, ``generate_masked_orthogonal_rank_groups``, ``default_embedding_ranks`` and
+``default_position_embedding_ranks`` answer exactly as megatron-core's do. The two group
+builders, ``create_hierarchical_groups`` and ``create_hybrid_dp_cp_groups``, are split into a
+pure part (``hierarchical_rank_groups``, ``hybrid_rank_groups``: which ranks form each group)
+and the group creation, which every rank runs for every group, as in megatron-core.
+
+Nothing here imports torch until a group is created.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Sequence
+
+from parallel_state.arguments import flag, is_int, non_negative_int, positive_int
+from parallel_state.compat_errors import ParallelStateAssertionError, ParallelStateValueError
+from parallel_state.errors import ParallelStateError, ParallelStateTypeError
+from parallel_state.plan import Grid
+
+
+def _rank_list(name: str, ranks: object) -> list[int]:
+    """``ranks`` as a non-empty list of distinct ints >= 0, or an error naming ``name``."""
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) and not hasattr(ranks, "tolist"):
+        raise ParallelStateTypeError(f"{name} must be a list of global ranks (ints), got {ranks!r}")
+    values = ranks.tolist() if hasattr(ranks, "tolist") else list(ranks)
+    if not values:
+        raise ParallelStateError(f"{name} is empty; pass at least one global rank")
+    for r in values:
+        if not is_int(r):
+            raise ParallelStateTypeError(f"{name} must hold ints (global ranks), got {r!r} in {values!r}")
+    out = [operator.index(r) for r in values]
+    if min(out) < 0:
+        raise ParallelStateError(f"{name} holds a negative rank: {out}")
+    if len(set(out)) != len(out):
+        raise ParallelStateError(f"{name} repeats a rank: {out}; name each rank once")
+    return out
+
+
+class RankGenerator:
+    """megatron-core's ``RankGenerator``: every group of a kind, for one layout of the dimensions.
+
+    ``order`` names the dimensions fastest-varying first; a dimension it leaves out is appended
+    (allowed only for size 1). ``rank_offset`` is added to every rank (the expert layout of a
+    pipeline placed after another). ep and cp cannot both exceed 1 (megatron-core lays them out
+    in two separate generators).
+    """
+
+    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0) -> None:
+        sizes = {name: positive_int(f"{name} size", value)
+                 for name, value in (("tp", tp), ("ep", ep), ("dp", dp), ("pp", pp), ("cp", cp))}
+        if sizes["ep"] > 1 and sizes["cp"] > 1:
+            raise ParallelStateAssertionError(
+                f"ep={sizes['ep']} and cp={sizes['cp']} are both > 1, which one RankGenerator cannot lay out: "
+                f"cp belongs to the decoder generator (ep=1) and ep to the expert generator (cp=1); build two"
+            )
+        # megatron-core ignores a negative offset; one is always a mistake, so say so.
+        self.rank_offset = non_negative_int("rank_offset", rank_offset)
+        self.tp, self.ep, self.dp, self.pp, self.cp = (sizes[n] for n in ("tp", "ep", "dp", "pp", "cp"))
+        self.world_size = math.prod(sizes.values())
+        # megatron-core's table, in its insertion order (the order missing tokens are appended in).
+        self.name_to_size = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep, "cp": self.cp}
+        self._grid = Grid(self.world_size, tp=self.tp, cp=self.cp, pp=self.pp, ep=self.ep, order=order)
+        self.order = self._grid.order
+        self.ordered_size = [self.name_to_size[token] for token in self._grid.dims]
+
+    def __repr__(self) -> str:
+        return (f"RankGenerator(tp={self.tp}, ep={self.ep}, dp={self.dp}, pp={self.pp}, cp={self.cp}, "
+                f"order={self.order!r}, rank_offset={self.rank_offset})")
+
+    def get_mask(self, order: str, token: str) -> list[bool]:
+        """One bool per token of ``order``: whether ``token`` (e.g. ``'tp-dp'``) names it."""
+        if not isinstance(order, str) or not isinstance(token, str):
+            raise ParallelStateTypeError(f"order and token must be strs such as 'tp-cp-dp-pp' and 'tp-dp', "
+                                         f"got {order!r} and {token!r}")
+        ordered = order.split("-")
+        mask = [False] * len(ordered)
+        for t in token.split("-"):
+            if t not in ordered:
+                raise ParallelStateValueError(
+                    f"token {token!r} names {t!r}, which order {order!r} does not hold; name dimensions from {ordered}"
+                )
+            mask[ordered.index(t)] = True
+        return mask
+
+    def get_ranks(self, token: str) -> list[list[int]]:
+        """Every group of the dimensions named by ``token`` (e.g. ``'tp-dp'``), in megatron-core's order.
+
+        Each group's ranks, and the groups, are listed with the dimensions of ``order``
+        fastest-varying first; ``rank_offset`` is added to every rank.
+        """
+        mask = self.get_mask(self.order, token)
+        kind = "-".join(d for d, m in zip(self._grid.dims, mask, strict=True) if m)
+        offset = self.rank_offset
+        return [[r + offset for r in group] for group in self._grid.groups(kind)]
+
+
+def generate_masked_orthogonal_rank_groups(
+    world_size: int, parallel_size: Sequence[int], mask: Sequence[bool]
+) -> list[list[int]]:
+    """The groups of the dimensions selected by ``mask``, for a layout of ``parallel_size``.
+
+    Ranks are laid out over ``parallel_size`` with its first dimension varying fastest; a group
+    holds the ranks that share every unselected coordinate, listed selected-dimension-first
+    fastest; groups are listed with the unselected dimensions first fastest. As in
+    megatron-core, ``world_size // group size`` groups are returned, which must not exceed the
+    number the layout holds.
+    """
+    world_size = positive_int("world_size", world_size)
+    if isinstance(parallel_size, (str, bytes)) or not isinstance(parallel_size, Sequence):
+        raise ParallelStateTypeError(f"parallel_size must be a list of ints such as [2, 1, 4], got {parallel_size!r}")
+    sizes = [positive_int(f"parallel_size[{i}]", s) for i, s in enumerate(parallel_size)]
+    if isinstance(mask, (str, bytes)) or not isinstance(mask, Sequence):
+        raise ParallelStateTypeError(f"mask must be a list of bools such as [True, False, True], got {mask!r}")
+    selected = [flag(f"mask[{i}]", m) for i, m in enumerate(mask)]
+    if len(selected) != len(sizes):
+        raise ParallelStateError(
+            f"mask has {len(selected)} entries but parallel_size has {len(sizes)}; give one bool per dimension"
+        )
+    strides = [math.prod(sizes[:i]) for i in range(len(sizes))]
+
+    def offsets(select: bool) -> list[int]:
+        # Every combination of the chosen dimensions' coordinates, the first dimension fastest.
+        out = [0]
+        for size, stride, chosen in zip(sizes, strides, selected, strict=True):
+            if chosen == select:
+                out = [o + i * stride for i in range(size) for o in out]
+        return out
+
+    members, bases = offsets(True), offsets(False)
+    count = world_size // len(members)
+    if count > len(bases):
+        raise ParallelStateAssertionError(
+            f"world_size {world_size} holds {count} groups of {len(members)} ranks, but parallel_size {sizes} lays out "
+            f"only {len(bases)}; pass world_size = product of parallel_size = {math.prod(sizes)}"
+        )
+    return [[b + m for m in members] for b in bases[:count]]
+
+
+def _pp_rank_list(pp_ranks: object) -> list[Any]:
+    if isinstance(pp_ranks, (str, bytes)) or not isinstance(pp_ranks, Sequence):
+        raise ParallelStateTypeError(f"pp_ranks must be the list of a pipeline's global ranks, got {pp_ranks!r}")
+    if len(pp_ranks) == 0:
+        raise ParallelStateError("pp_ranks is empty; pass the global ranks of one pipeline, first stage first")
+    return list(pp_ranks)
+
+
+def default_embedding_ranks(pp_ranks: Sequence[int]) -> list[int]:
+    """The ranks that hold the word embeddings by default: the first and last pipeline stages."""
+    ranks = _pp_rank_list(pp_ranks)
+    return [ranks[0]] if len(ranks) == 1 else [ranks[0], ranks[-1]]
+
+
+def default_position_embedding_ranks(pp_ranks: Sequence[int]) -> list[int]:
+    """The ranks that hold the position embeddings by default: the first pipeline stage."""
+    return [_pp_rank_list(pp_ranks)[0]]
+
+
+def _level_sizes(ranks: list[int], sizes: object) -> list[int]:
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or len(sizes) == 0:
+        raise ParallelStateTypeError(
+            f"hierarchical_group_sizes must be a non-empty list of ints such as [2, 4], got {sizes!r}"
+        )
+    levels = [positive_int(f"hierarchical_group_sizes[{i}]", s) for i, s in enumerate(sizes)]
+    if math.prod(levels) != len(ranks):
+        raise ParallelStateError(
+            f"hierarchical_group_sizes {levels} multiply to {math.prod(levels)}, but there are {len(ranks)} ranks; "
+            f"choose level sizes whose product is the number of ranks"
+        )
+    return levels
+
+
+def hierarchical_rank_groups(ranks: Sequence[int], sizes: Sequence[int]) -> list[list[list[int]]]:
+    """The sub-groups of ``ranks`` at each level of ``sizes``: one list of rank lists per level.
+
+    Level ``i`` splits ``ranks`` into groups of ``sizes[i]`` ranks that lie ``prod(sizes[:i])``
+    apart: for 16 ranks and sizes [2, 2, 4], level 0 is [0, 1], [2, 3], ...; level 1 is
+    [0, 2], [1, 3], [4, 6], ...; level 2 is [0, 4, 8, 12], [1, 5, 9, 13], ... (megatron-core's
+    ``create_hierarchical_groups``, in its group order).
+    """
+    members = _rank_list("ranks", ranks)
+    levels = _level_sizes(members, sizes)
+    out = []
+    for level, size in enumerate(levels):
+        inner, outer = math.prod(levels[:level]), math.prod(levels[level + 1:])
+        block = size * inner
+        out.append([[members[o * block + s * inner + u] for s in range(size)]
+                    for o in range(outer) for u in range(inner)])
+    return out
+
+
+def hybrid_rank_groups(ranks: Sequence[int]) -> dict[int, list[list[int]]]:
+    """The groups of hybrid DP x CP: for each power of two 2 <= size < len(ranks), consecutive slices.
+
+    As in megatron-core, the sizes stop below ``len(ranks)`` (the largest power of two under
+    it, exclusive when len(ranks) is itself a power of two), and when a size does not divide
+    ``len(ranks)`` the last slice is shorter.
+    """
+    members = _rank_list("ranks", ranks)
+    # int(log2(n)) without floating point: the position of n's highest set bit.
+    sizes = [2 ** i for i in range(1, len(members).bit_length() - 1)]
+    return {size: [members[i:i + size] for i in range(0, len(members), size)] for size in sizes}
+
+
+def _this_rank(rank: object) -> int:
+    if not is_int(rank):
+        raise ParallelStateTypeError(f"rank must be this process's global rank (an int), got {rank!r}")
+    return operator.index(rank)  # type: ignore[arg-type]
+
+
+def create_hierarchical_groups(
+    rank: int,
+    ranks: Sequence[int],
+    hierarchical_group_sizes: Sequence[int],
+    create_gloo_process_groups: bool = False,
+    pg_options: Any = None,
+    timeout: Any = None,
+    group_desc: str | None = None,
+) -> tuple[list[Any], list[Any]]:
+    """Create the groups of :func:`hierarchical_rank_groups`; every rank of the world calls it.
+
+    Returns this rank's group at each level (empty when ``rank`` is not in ``ranks``) and the
+    matching gloo groups (None entries unless ``create_gloo_process_groups``). ``pg_options``
+    is one options object for every level, or a list with one per level.
+    """
+    from parallel_state.process_groups import create_group
+
+    rank = _this_rank(rank)
+    create_gloo = flag("create_gloo_process_groups", create_gloo_process_groups)
+    levels = hierarchical_rank_groups(ranks, hierarchical_group_sizes)
+    # Only a list is per-level, as in megatron-core; anything else applies to every level.
+    if isinstance(pg_options, list):
+        if len(pg_options) != len(levels):
+            raise ParallelStateError(
+                f"pg_options has {len(pg_options)} entries for {len(levels)} levels; give one per level, "
+                f"or a single options object for all"
+            )
+        options = pg_options
+    else:
+        options = [pg_options] * len(levels)
+    groups: list[Any] = []
+    gloo_groups: list[Any] = []
+    for level, level_groups in enumerate(levels):
+        for sub_ranks in level_groups:
+            group = create_group(sub_ranks, timeout=timeout, pg_options=options[level],
+                                 group_desc=f"HIERARCHICAL_{group_desc}_L{level}")
+            gloo = None
+            if create_gloo:
+                gloo = create_group(sub_ranks, timeout=timeout, backend="gloo", pg_options=options[level],
+                                    group_desc=f"HIERARCHICAL_{group_desc}_GLOO_L{level}")
+            if rank in sub_ranks:
+                groups.append(group)
+                gloo_groups.append(gloo)
+    return groups, gloo_groups
+
+
+def create_hybrid_dp_cp_groups(rank: int, ranks: Sequence[int], pg_options: Any) -> dict[int, Any]:
+    """Create the groups of :func:`hybrid_rank_groups`; every rank of the world calls it.
+
+    Returns this rank's group of each size, keyed by size (empty when ``rank`` is not in ``ranks``).
+    """
+    from parallel_state.process_groups import create_group
+
+    rank = _this_rank(rank)
+    mine: dict[int, Any] = {}
+    for size, size_groups in hybrid_rank_groups(ranks).items():
+        for sub_ranks in size_groups:
+            group = create_group(sub_ranks, pg_options=pg_options, group_desc=f"HYBRID_DP_CP_GROUP_{size}")
+            if rank in sub_ranks:
+                mine[size] = group
+    return mine
+
+
+__all__ = [
+    "RankGenerator",
+    "create_hierarchical_groups",
+    "create_hybrid_dp_cp_groups",
+    "default_embedding_ranks",
+    "default_position_embedding_ranks",
+    "generate_masked_orthogonal_rank_groups",
+    "hierarchical_rank_groups",
+    "hybrid_rank_groups",
+]
