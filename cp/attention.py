@@ -164,7 +164,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
         raise ValueError(
             f"{what}: q, k and v must have the same number of dims, dtype and device (they travel in one buffer); "
             f"got " + ", ".join(f"{nm} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} on {t.device}"
-                                 for nm, t in (("q", q), ("k", k), ("v", v))))
+                                 for nm, t in (("q", q), ("k", k), ("v", v))) + "; convert them to one dtype and device")
     s, h = dims[0]
     if attn_fn is None:
         if q.dim() < 3:
