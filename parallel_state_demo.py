@@ -8,11 +8,14 @@ starts it with torch.distributed's elastic launcher; it also runs under torchrun
 
 For each of two topologies (cp x pp, then another after a full teardown) every rank: builds the
 groups with ``dist_init`` and checks them against the pure plan; plans the latent with
-``find_split``; receives its shard with ``broadcast_split_tensor`` (stage 0); runs the model's
-layers for its pipeline stage, passing activations with the scheduler (the last stage sends its
-output back to stage 0, MAGI-1's ring); gathers with ``cat_outputs_cp`` and checks the result
-bit for bit against the same layers run on the whole latent in this one process; tears down and
-checks that nothing is left. A failed check prints one line naming the rank and the step and
+``find_split``; receives its shard with ``broadcast_split_tensor`` (stage 0); runs its pipeline
+stage's part of a small video DiT (``demo_dit``: patchify, 3-D rotary embedding sharded like the
+latent, blocks of Ulysses attention and MLP), passing activations with the scheduler (the last
+stage sends its output back to stage 0, MAGI-1's ring); gathers with ``cat_outputs_cp`` and
+compares with the same DiT run on the whole latent in this one process; runs one backward,
+sending gradients back stage by stage and all-reducing the parameter gradients over the
+data-parallel-with-CP group, and compares every gradient too (float32, max |diff| / max |ref|
+<= 1e-5); tears down and checks that nothing is left. A failed check prints one line naming the rank and the step and
 exits 1; the launcher then stops the other ranks.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import math
 import os
 import sys
 import time
@@ -30,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 import cp
+import demo_dit
 import parallel_state as ps
 import scheduler
 from parallel_state.cli import format_plan
@@ -37,9 +42,11 @@ from parallel_state.groups import live_groups
 from parallel_state.plan import TopologyPlan
 
 SEED = 1234
-NUM_LAYERS = 4   # the model's layers, divided among the pipeline stages
+NUM_BLOCKS = 4   # the DiT's blocks, divided among the pipeline stages
 CP_DIM = 2       # the context-parallel shard dimension of the [B, C, cp, T', H', W] layout
 ORDER = "tp-cp-pp-dp"  # dist_init's
+TOLERANCE = 1e-5  # max |diff| / max |one-process value|, for the output and every gradient
+STEPS = 7         # per topology
 
 
 class CheckFailed(Exception):
@@ -62,38 +69,39 @@ def latent(shape: tuple[int, ...]) -> torch.Tensor:
 
 
 @functools.cache
-def _weights(layer: int, channels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + layer)
-    return tuple(torch.randn(channels, generator=g) for _ in range(3))  # type: ignore[return-value]
+def target(shape: tuple[int, ...]) -> torch.Tensor:
+    """The loss weights, latent-shaped: the loss is sum(output * target), so its gradient is ``target``."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(SEED + 1))
 
 
-def layer_forward(layer: int, x: torch.Tensor) -> torch.Tensor:
-    """One deterministic layer: each channel mixed with its neighbour, plus a bias, then a ReLU.
-
-    Only elementwise multiplies and adds, in the same order for every element, so a shard and
-    the whole latent go through identical float operations: shard results and the one-process
-    result must match bit for bit (a matmul could reorder its sums with the shape).
-    """
-    channels = x.shape[1]
-    a, b, bias = (v.reshape((1, channels) + (1,) * (x.dim() - 2)) for v in _weights(layer, channels))
-    return torch.relu(a * x + b * torch.roll(x, 1, dims=1) + bias)
+def stage_blocks(stage: int, pp: int) -> range:
+    """The DiT blocks pipeline stage ``stage`` of ``pp`` runs."""
+    return range(stage * NUM_BLOCKS // pp, (stage + 1) * NUM_BLOCKS // pp)
 
 
-def stage_layers(stage: int, pp: int) -> range:
-    """The layers pipeline stage ``stage`` of ``pp`` runs."""
-    return range(stage * NUM_LAYERS // pp, (stage + 1) * NUM_LAYERS // pp)
-
-
-def run_layers(layers: Sequence[int], x: torch.Tensor) -> torch.Tensor:
-    for layer in layers:
-        x = layer_forward(layer, x)
-    return x
+def token_grid(shape: Sequence[int], patch: Sequence[int]) -> tuple[int, int, int]:
+    """The token grid (t, h, w) of a [B, C, T, H, W] latent (or shard) cut into ``patch``."""
+    return shape[-3] // patch[0], shape[-2] // patch[1], shape[-1] // patch[2]
 
 
 @functools.cache
-def reference(shape: tuple[int, ...]) -> torch.Tensor:
-    """The whole model on the whole latent, in this one process."""
-    return run_layers(range(NUM_LAYERS), latent(shape))
+def reference(shape: tuple[int, ...], cfg: demo_dit.DiTConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The whole DiT on the whole latent in this one process: its output and every parameter's gradient."""
+    model = demo_dit.build(cfg, SEED)
+    grid = token_grid(shape, cfg.patch)
+    cos, sin = demo_dit.rope_for_tokens(demo_dit.rope_table(grid))
+    x = model["embed"](demo_dit.patchify(latent(shape), cfg.patch))
+    x = demo_dit.run_blocks(model, range(cfg.blocks), x, cos, sin, None)
+    out = demo_dit.unpatchify(model["head"](x), cfg.patch, grid, cfg.channels)
+    (out * target(shape)).sum().backward()
+    return out.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|: the demo's measure of agreement with the one-process run."""
+    if got.shape != want.shape:
+        return math.inf
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
 # ----------------------------------------------------------------------------- CP layout
@@ -118,6 +126,13 @@ def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
         return f"shape {list(got.shape)} != expected {list(want.shape)}"
     bad = (got != want).sum().item()
     return f"{bad} of {want.numel()} elements differ (max |diff| {(got - want).abs().max().item():.3g})"
+
+
+def _far(got: torch.Tensor, want: torch.Tensor) -> str:
+    if got.shape != want.shape:
+        return f"shape {list(got.shape)} != expected {list(want.shape)}"
+    bad = ((got - want).abs() > TOLERANCE * want.abs().max()).sum().item()
+    return f"{bad} of {want.numel()} elements differ by more than {TOLERANCE:g} * max |ref|"
 
 
 # ----------------------------------------------------------------------------- steps
@@ -158,13 +173,14 @@ class Topology:
 
     def __init__(self, steps: Steps, cp_size: int, pp_size: int, shape: tuple[int, ...],
                  patch: tuple[int, int, int], timeout: datetime.timedelta, corrupt_rank: int | None,
-                 print_layout: bool):
-        self.steps, self.cp_size, self.pp_size = steps, cp_size, pp_size
+                 print_layout: bool, heads: int):
+        self.steps, self.cp_size, self.pp_size, self.heads = steps, cp_size, pp_size, heads
         self.shape, self.patch, self.timeout = shape, patch, timeout
         self.corrupt_rank, self.print_layout = corrupt_rank, print_layout
         self.label = f"cp {cp_size} x pp {pp_size}"
         self.shard: torch.Tensor | None = None
         self.output: torch.Tensor | None = None  # this rank's shard of the model's output, if it has one
+        self.attention_seconds = 0.0
 
     def run(self) -> None:
         s = self.steps
@@ -173,8 +189,9 @@ class Topology:
             s.say(_indent(format_plan(self.plan)))
         s.run(f"{self.label}  find_split", self.split)
         s.run(f"{self.label}  broadcast + split latent", self.scatter)
-        s.run(f"{self.label}  pipeline via scheduler", self.pipeline)
+        s.run(f"{self.label}  DiT forward via scheduler", self.pipeline)
         s.run(f"{self.label}  cat_outputs_cp == 1 process", self.gather)
+        s.run(f"{self.label}  backward, grads == 1 process", self.backward)
         s.run(f"{self.label}  destroy_model_parallel", self.teardown)
 
     # -- steps (each returns a detail for rank 0's progress line)
@@ -212,6 +229,9 @@ class Topology:
         check(per_rank == (t // self.cp_t, h // self.cp_h, w) and self.cp_t * self.cp_h == self.cp_size,
               f"find_split gave {list(per_rank)} with cp_size_t {self.cp_t} for {list(self.shape)}, cp {self.cp_size}")
         self.shard_shape = (self.shape[0], self.shape[1], *per_rank)
+        # The model is built for this split: its token patch must tile every rank's shard.
+        patch = demo_dit.token_patch(per_rank, (t, h, w), self.patch)
+        self.cfg = demo_dit.DiTConfig(channels=self.shape[1], patch=patch, heads=self.heads, blocks=NUM_BLOCKS)
         return f"{list(self.shape)} -> per-rank {list(per_rank)}, cp_size_t {self.cp_t}"
 
     def scatter(self) -> str:
@@ -231,39 +251,97 @@ class Topology:
         return f"source: global rank {source} (lowest of its cp group)"
 
     def pipeline(self) -> str:
-        pp, stage, rank = self.pp_size, self.stage, dist.get_rank()
-        mine = stage_layers(stage, pp)
-        if stage == 0 and self.corrupt_rank == rank:
-            self.shard = self.shard + 1.0  # --corrupt-rank: the gather check must catch this
-        if pp == 1:
-            self.output = run_layers(mine, self.shard)
-            return f"{NUM_LAYERS} layers on one stage"
-        sched = scheduler.pp_scheduler()
-        dtype = torch.float32
+        pp, stage, rank, cfg = self.pp_size, self.stage, dist.get_rank(), self.cfg
+        group = ps.get_context_parallel_group()
+        self.model = model = demo_dit.build(cfg, SEED)  # every rank builds the same weights, runs its part
+        # The rotary table is built for the whole token grid and sharded exactly like the latent, so each
+        # token keeps its true (t, h, w) position whatever order the sequence is in.
+        table = to_cp_layout(demo_dit.rope_table(token_grid(self.shape, cfg.patch)), self.cp_t, self.cp_h)
+        cos, sin = demo_dit.rope_for_tokens(cp.split_inputs_cp(table, CP_DIM, group).squeeze(CP_DIM))
+        grid = token_grid(self.shard_shape, cfg.patch)
+        tokens = (self.shard_shape[0], math.prod(grid), cfg.dim)
+        sched = scheduler.pp_scheduler() if pp > 1 else None
+        demo_dit.attention_seconds[0] = 0.0
         if stage == 0:
-            sched.queue_irecv_prev(self.shard_shape, dtype)  # the ring: the last stage's output comes back
-            sched.send_next_data(run_layers(mine, self.shard))
-            self.output = sched.queue_irecv_prev_data()
-            want = run_layers(range(NUM_LAYERS), self.shard)
-            check(torch.equal(self.output, want), "the output that came back around the pipeline ring differs "
-                  f"from this shard run through all layers here: {_mismatch(self.output, want)}")
+            if self.corrupt_rank == rank:
+                self.shard = self.shard + 1.0  # --corrupt-rank: the gather check must catch this
+            if sched is not None:
+                sched.queue_irecv_prev(self.shard_shape, torch.float32)  # the ring: the output comes back
+            x = model["embed"](demo_dit.patchify(self.shard, cfg.patch))
         else:
-            out = run_layers(mine, sched.recv_prev_data(self.shard_shape, dtype))
-            sched.send_next_data(out)  # the last stage's next is stage 0
-            if stage == pp - 1:
-                self.output = out
-        return f"{NUM_LAYERS} layers over {pp} stages, last stage -> stage 0"
+            self.received = x = sched.recv_prev_data(tokens, torch.float32).requires_grad_(True)
+        x = demo_dit.run_blocks(model, stage_blocks(stage, pp), x, cos, sin, group)
+        if stage == pp - 1:
+            self.output = demo_dit.unpatchify(model["head"](x), cfg.patch, grid, cfg.channels)
+            if sched is not None:
+                sched.send_next_data(self.output.detach())  # the last stage's next is stage 0
+        else:
+            self.sent = x
+            sched.send_next_data(x.detach())
+            if stage == 0:
+                self.output = sched.queue_irecv_prev_data()
+        slowest = torch.tensor([demo_dit.attention_seconds[0]], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        self.attention_seconds = slowest.item()
+        where = f"{NUM_BLOCKS} blocks on one stage" if pp == 1 else \
+            f"{NUM_BLOCKS} blocks over {pp} stages, last stage -> stage 0"
+        return (f"{math.prod(token_grid(self.shape, cfg.patch))} tokens of patch {'x'.join(map(str, cfg.patch))}, "
+                f"{cfg.heads} heads, {where}")
 
     def gather(self) -> str:
-        if self.output is None:  # a middle stage holds no output
-            return ""
-        group = ps.get_context_parallel_group()
-        gathered = cp.cat_outputs_cp(self.output.unsqueeze(CP_DIM), CP_DIM, cp_group=group)
-        full = from_cp_layout(gathered, self.cp_t, self.cp_h)
-        want = reference(self.shape)
-        check(torch.equal(full, want), f"the gathered output differs from the one-process result: "
-              f"{_mismatch(full, want)}")
-        return f"{list(full.shape)}, bit for bit"
+        err, far = -1.0, ""
+        if self.output is not None:  # a middle stage holds no output
+            group = ps.get_context_parallel_group()
+            gathered = cp.cat_outputs_cp(self.output.detach().unsqueeze(CP_DIM), CP_DIM, cp_group=group)
+            full = from_cp_layout(gathered, self.cp_t, self.cp_h)
+            want = reference(self.shape, self.cfg)[0]
+            err, far = relative_error(full, want), _far(full, want)
+        worst = torch.tensor([err], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # every rank learns the worst before any check can fail
+        check(err <= TOLERANCE, f"the gathered output differs from the one-process result: max |diff| / max |ref| = "
+              f"{err:.3g} > {TOLERANCE:g} ({far})")
+        return f"{list(self.shape)}, max |diff| / max |ref| {worst.item():.1e} (<= {TOLERANCE:g})"
+
+    def backward(self) -> str:
+        pp, stage = self.pp_size, self.stage
+        if stage == pp - 1:
+            # d(sum(output * target)) / d output is this rank's shard of the target.
+            want = to_cp_layout(target(self.shape), self.cp_t, self.cp_h)[:, :, ps.get_context_parallel_rank()]
+            self.output.backward(want)
+        else:  # the scheduler only sends forward: gradients go to the previous stage point to point
+            sched = scheduler.pp_scheduler()
+            grad = torch.empty_like(self.sent)
+            dist.recv(grad, src=sched.next_rank, group=sched.group)
+            self.sent.backward(grad)
+        if stage > 0:
+            sched = scheduler.pp_scheduler()
+            dist.send(self.received.grad.contiguous(), dst=sched.prev_rank, group=sched.group)
+        # Every rank of the data-parallel-with-CP group holds this stage: sum their gradients in one collective.
+        named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
+        flat = torch.cat([p.grad.reshape(-1) for _, p in named])
+        dist.all_reduce(flat, group=ps.get_data_parallel_group(with_context_parallel=True))
+        ref = reference(self.shape, self.cfg)[1]
+        errs, offset = {}, 0
+        for n, p in named:
+            errs[n] = relative_error(flat[offset:offset + p.numel()].view_as(p), ref[n])
+            offset += p.numel()
+        expected = {n for n, _ in self.model.named_parameters() if self._owns(n)}
+        check(set(errs) == expected, f"parameters {sorted(set(errs) ^ expected)} have gradients where the stage "
+              f"does not own them, or lack them where it does")
+        name, err = max(errs.items(), key=lambda kv: kv[1])
+        worst = torch.tensor([err], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        check(err <= TOLERANCE, f"the gradient of {name} differs from the one-process one: max |diff| / max |ref| = "
+              f"{err:.3g} > {TOLERANCE:g}")
+        return (f"{len(reference(self.shape, self.cfg)[1])} parameter gradients, summed over dp-cp, "
+                f"max |diff| / max |ref| {worst.item():.1e}")
+
+    def _owns(self, name: str) -> bool:
+        """Whether this rank's pipeline stage holds parameter ``name``."""
+        part = name.split(".")
+        if part[0] == "blocks":
+            return int(part[1]) in stage_blocks(self.stage, self.pp_size)
+        return self.stage == (0 if part[0] == "embed" else self.pp_size - 1)
 
     def teardown(self) -> str:
         ps.destroy_model_parallel()
@@ -305,11 +383,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     patch = tuple(int(v) for v in args.patch.split(","))
     timeout = datetime.timedelta(seconds=args.timeout)
     topologies = [(args.cp, args.pp), (args.rebuild_cp, args.rebuild_pp)]
-    steps = Steps(total=6 * len(topologies))
+    steps = Steps(total=STEPS * len(topologies))
+    heads = math.lcm(4, *(c for c, _ in topologies))  # every CP size must divide the number of heads
     start = time.perf_counter()
+    attention = []
     for i, (cp_size, pp_size) in enumerate(topologies):
-        Topology(steps, cp_size, pp_size, shape, patch, timeout,  # type: ignore[arg-type]
-                 corrupt_rank=args.corrupt_rank if i == 0 else None, print_layout=i == 0).run()
+        topology = Topology(steps, cp_size, pp_size, shape, patch, timeout,  # type: ignore[arg-type]
+                            corrupt_rank=args.corrupt_rank if i == 0 else None, print_layout=i == 0, heads=heads)
+        topology.run()
+        attention.append(topology.attention_seconds)
     world = dist.get_world_size()
     elapsed = time.perf_counter() - start
     dist.destroy_process_group()
@@ -321,11 +403,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if steps.rank == 0:
         print(f"\nSummary: {len(steps.done)}/{steps.total} steps passed on {world} ranks in {elapsed:.1f} s "
               f"({' then '.join(f'cp {c} x pp {p}' for c, p in topologies)})", flush=True)
-        names = [name.split("  ", 1)[1] for name, _ in steps.done[:6]]
+        names = [name.split("  ", 1)[1] for name, _ in steps.done[:STEPS]]
         labels = [f"cp {c} x pp {p}" for c, p in topologies]
-        rows = [[n] + [f"{steps.done[6 * t + i][1]:.2f} s" for t in range(len(topologies))]
+        rows = [[n] + [f"{steps.done[STEPS * t + i][1]:.2f} s" for t in range(len(topologies))]
                 for i, n in enumerate(names)]
-        width = max(len(n) for n in names + ["time per step (slowest rank)"])
+        # Inside the forward step: the attention itself, both all-to-alls included.
+        rows.insert(names.index("DiT forward via scheduler") + 1,
+                    ["  of which ulysses_attention"] + [f"{a:.2f} s" for a in attention])
+        width = max(len(row[0]) for row in rows + [["time per step (slowest rank)"]])
         print(f"  {'time per step (slowest rank)':<{width}}  " + "  ".join(f"{lab:>12}" for lab in labels))
         for row in rows:
             print(f"  {row[0]:<{width}}  " + "  ".join(f"{v:>12}" for v in row[1:]))

@@ -1,10 +1,11 @@
-"""Context-parallel tensor helpers: split inputs into sequence shards, gather outputs, broadcast.
+"""Context-parallel tensor helpers: split inputs into sequence shards, gather outputs, broadcast, attention.
 
 Every helper takes its process group explicitly and never reads the global parallel state; a group
 of None means context parallelism is off and the input itself comes back, so the same model code
 runs in one process and in many.
 """
 
+from cp.attention import heads_to_seq, sdpa_in_layout, seq_to_heads, ulysses_attention
 from cp.broadcast import broadcast, broadcast_split_tensor, robust_broadcast
 from cp.objects import cat_outputs_cp_object_list, split_inputs_cp_object_list
 from cp.shard import cat_outputs_cp, cat_outputs_cp_with_grad, split_inputs_cp
@@ -16,8 +17,12 @@ __all__ = [
     "cat_outputs_cp",
     "cat_outputs_cp_object_list",
     "cat_outputs_cp_with_grad",
+    "heads_to_seq",
     "release_gather_workspace",
     "robust_broadcast",
+    "sdpa_in_layout",
+    "seq_to_heads",
     "split_inputs_cp",
     "split_inputs_cp_object_list",
+    "ulysses_attention",
 ]

@@ -32,15 +32,20 @@ def check_tensor(what: str, x: Any, name: str = "x") -> None:
         raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(x).__name__}")
 
 
-def normalize_dim(what: str, shape: tuple[int, ...], seq_dim: Any, group_size: int) -> int:
-    """``seq_dim`` as a non-negative dimension of ``shape``; ValueError/TypeError when it is not one."""
+def normalize_dim(what: str, shape: tuple[int, ...], seq_dim: Any, group_size: int,
+                  name: str = "seq_dim") -> int:
+    """``seq_dim`` as a non-negative dimension of ``shape``; ValueError/TypeError when it is not one.
+
+    ``name`` is the argument's name in the messages.
+    """
     if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
-        raise TypeError(f"{what}: seq_dim must be an int, got {type(seq_dim).__name__} {seq_dim!r}")
+        raise TypeError(f"{what}: {name} must be an int, got {type(seq_dim).__name__} {seq_dim!r}")
     ndim = len(shape)
     if not -ndim <= seq_dim < ndim:
-        valid = f"{-ndim}..{ndim - 1}" if ndim else "none: a 0-dim tensor has no sequence dimension"
+        kind = {"seq_dim": "sequence", "head_dim": "head"}.get(name, name)
+        valid = f"{-ndim}..{ndim - 1}" if ndim else f"none: a 0-dim tensor has no {kind} dimension"
         raise ValueError(
-            f"{what}: seq_dim={seq_dim} is out of range for shape {tuple(shape)} with a group of size "
+            f"{what}: {name}={seq_dim} is out of range for shape {tuple(shape)} with a group of size "
             f"{group_size} (valid dims: {valid})"
         )
     return seq_dim % ndim

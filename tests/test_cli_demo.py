@@ -29,20 +29,31 @@ def test_demo_end_to_end_on_four_ranks(tmp_path):
     proc = _demo("--nproc", "4", "--latent", SMALL_LATENT, "--timeout", "200", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    steps = re.findall(r"^\[\s*(\d+)/12\] (cp \d x pp \d)  (.+?)\s+ok\s+[\d.]+ s", out, flags=re.M)
-    assert [int(i) for i, _, _ in steps] == list(range(1, 13))
-    assert [t for _, t, _ in steps] == ["cp 2 x pp 2"] * 6 + ["cp 4 x pp 1"] * 6
+    steps = re.findall(r"^\[\s*(\d+)/14\] (cp \d x pp \d)  (.+?)\s+ok\s+[\d.]+ s", out, flags=re.M)
+    assert [int(i) for i, _, _ in steps] == list(range(1, 15))
+    assert [t for _, t, _ in steps] == ["cp 2 x pp 2"] * 7 + ["cp 4 x pp 1"] * 7
+    assert [n for _, _, n in steps[:7]] == [
+        "dist_init, groups == plan", "find_split", "broadcast + split latent", "DiT forward via scheduler",
+        "cat_outputs_cp == 1 process", "backward, grads == 1 process", "destroy_model_parallel"]
     # The layout is printed once, for the first topology.
     assert out.count("Topology: 4 ranks") == 1
     assert "cp groups [[0, 1], [2, 3]], pp groups [[0, 2], [1, 3]]" in out
     assert "cp groups [[0, 1, 2, 3]], pp groups [[0], [1], [2], [3]]" in out
     assert "[1, 4, 8, 16, 16] -> per-rank [4, 16, 16], cp_size_t 2" in out
     assert "[1, 4, 8, 16, 16] -> per-rank [2, 16, 16], cp_size_t 4" in out
-    assert out.count("[1, 4, 8, 16, 16], bit for bit") == 2
+    assert out.count("512 tokens of patch 1x2x2, 4 heads, 4 blocks") == 2
+    assert "4 blocks over 2 stages, last stage -> stage 0" in out and "4 blocks on one stage" in out
+    # The DiT's output and every gradient agree with one process within 1e-5 of the largest value.
+    errors = re.findall(r"\[1, 4, 8, 16, 16\], max \|diff\| / max \|ref\| ([\d.e+-]+) \(<= 1e-05\)", out)
+    grads = re.findall(r"(\d+) parameter gradients, summed over dp-cp, max \|diff\| / max \|ref\| ([\d.e+-]+)", out)
+    assert len(errors) == 2 and all(float(e) <= 1e-5 for e in errors), errors
+    assert len(grads) == 2 and all(n == "54" and float(e) <= 1e-5 for n, e in grads), grads
+    assert re.search(r"^    of which ulysses_attention\s+[\d.]+ s\s+[\d.]+ s$", out, re.M)
     assert out.count("0 process groups alive besides the default group (all ranks)") == 2
-    assert "Summary: 12/12 steps passed on 4 ranks" in out
+    assert "Summary: 14/14 steps passed on 4 ranks" in out
     assert "all ranks exited cleanly" in out
     assert "FAILED" not in out + proc.stderr and "Traceback" not in proc.stderr
+    assert "warn" not in (out + proc.stderr).lower()
 
 
 def test_demo_failing_check_exits_nonzero_with_one_line_per_rank(tmp_path):
@@ -50,10 +61,11 @@ def test_demo_failing_check_exits_nonzero_with_one_line_per_rank(tmp_path):
     proc = _demo("--nproc", "2", "--latent", SMALL_LATENT, "--corrupt-rank", "1", "--timeout", "200", cwd=tmp_path)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
-    assert "[ 4/12] cp 2 x pp 1  pipeline via scheduler" in proc.stdout
+    assert "[ 4/14] cp 2 x pp 1  DiT forward via scheduler" in proc.stdout
     assert "Summary" not in proc.stdout
-    assert re.search(r"^rank [01]: step 5/12 'cp 2 x pp 1  cat_outputs_cp == 1 process' FAILED: the gathered "
-                     r"output differs from the one-process result: \d+ of 8192 elements differ", proc.stderr, re.M)
+    assert re.search(r"^rank [01]: step 5/14 'cp 2 x pp 1  cat_outputs_cp == 1 process' FAILED: the gathered "
+                     r"output differs from the one-process result: max \|diff\| / max \|ref\| = [\d.]+ > 1e-05 "
+                     r"\(\d+ of 8192 elements differ", proc.stderr, re.M)
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("python -m parallel_state: error: demo FAILED: rank ")
 

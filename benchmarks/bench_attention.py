@@ -1,0 +1,199 @@
+"""Context-parallel attention: cp.ulysses_attention against gathering K and V, side by side in one run.
+
+A [1, 16, 8, 32, 32] latent patchified 1x2x2 is 2,048 tokens of 64 values; fixed projections make
+q, k and v of [1, 2048, 8 heads, 8], split along the sequence over 2 and 4 gloo ranks.
+"ulysses": one all-to-all moves q, k and v to head shards, attention over the whole sequence, one
+all-to-all back. "gather K/V": every rank gathers the whole K and V (one all-gather of both) and
+attends with its own queries. Both are checked against attention in one process before timing.
+Bytes sent per rank are the payload each rank hands to the network: all-to-all sends (n-1)/n of
+each of q, k, v and the output; the all-gather sends its K and V shards to n-1 ranks. Each
+repetition times both, in alternating order, after a barrier; a call's time is the slowest rank's.
+
+``python -m benchmarks.bench_attention [--reps N] [--worlds 2,4] [--threads 1]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+from benchmarks.harness import table
+
+LATENT = (1, 16, 8, 32, 32)
+PATCH = (1, 2, 2)
+HEADS = 8
+SEED = 0
+
+
+def make_qkv() -> tuple[Any, Any, Any]:
+    """q, k, v for the whole sequence, [1, tokens, HEADS, dim / HEADS]: the same in every process."""
+    import torch
+
+    g = torch.Generator().manual_seed(SEED)
+    b, c, t, h, w = LATENT
+    pt, ph, pw = PATCH
+    x = torch.randn(LATENT, generator=g)
+    tokens = x.reshape(b, c, t // pt, pt, h // ph, ph, w // pw, pw).permute(0, 2, 4, 6, 1, 3, 5, 7)
+    tokens = tokens.reshape(b, -1, c * pt * ph * pw)
+    dim = tokens.shape[-1]
+    proj = [torch.randn(dim, dim, generator=g) / dim ** 0.5 for _ in range(3)]
+    return tuple((tokens @ m).reshape(b, -1, HEADS, dim // HEADS) for m in proj)  # type: ignore[return-value]
+
+
+def gather_kv_attention(q: Any, k: Any, v: Any, group: Any) -> Any:
+    """The alternative: gather the whole K and V on every rank (one all-gather for both), attend with local q."""
+    import torch
+
+    import cp
+    from cp.comm import all_gather_into
+
+    n = group.size()
+    kv = torch.stack([k, v]).contiguous()                       # [2, B, S/n, H, D]
+    out = torch.empty((n,) + tuple(kv.shape), dtype=kv.dtype)
+    all_gather_into(out.view(-1), kv.view(-1), group)
+    full = out.permute(1, 2, 0, 3, 4, 5).reshape(2, kv.shape[1], n * kv.shape[2], *kv.shape[3:])
+    return cp.sdpa_in_layout(q, full[0], full[1])
+
+
+def _rank_main(rank: int, world: int, store: str, opts: dict[str, Any], conn: Any) -> None:
+    try:
+        conn.send(("ok", _measure(rank, world, store, opts)))
+    except BaseException as exc:  # report, so the parent prints why instead of waiting
+        conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[str, Any] | None:
+    import torch
+    import torch.distributed as dist
+
+    import cp
+
+    torch.set_num_threads(opts["threads"])
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    group = dist.group.WORLD
+    q, k, v = make_qkv()
+    ref = cp.sdpa_in_layout(q, k, v)
+    mine = [cp.split_inputs_cp(t, 1, group).contiguous() for t in (q, k, v)]
+    want = cp.split_inputs_cp(ref, 1, group)
+    ways = {"ulysses": lambda: cp.ulysses_attention(*mine, group),
+            "gather K/V": lambda: gather_kv_attention(*mine, group)}
+    for name, fn in ways.items():  # same answer as one process, checked before timing anything
+        err = ((fn() - want).abs().max() / want.abs().max()).item()
+        if err > 1e-5:
+            raise AssertionError(f"{name} differs from one-process attention: max |diff| / max |ref| = {err:.3g}")
+    slowest = torch.zeros(1, dtype=torch.float64)
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    order = list(ways.items())
+    for rep in range(opts["reps"] + opts["warmup"]):
+        for name, fn in order if rep % 2 == 0 else order[::-1]:
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            fn()
+            slowest.fill_(time.perf_counter() - start)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+            if rep >= opts["warmup"]:
+                times[name].append(slowest.item())
+    shard = mine[0].numel() * mine[0].element_size()
+    sent = {"ulysses": 4 * (world - 1) * shard // world, "gather K/V": 2 * (world - 1) * shard}
+    dist.destroy_process_group()
+    if rank:
+        return None
+    return {name: {"ms": statistics.median(t) * 1e3, "bytes": sent[name]} for name, t in times.items()}
+
+
+def run(world: int, opts: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+    """Start ``world`` ranks, measure, and return rank 0's figures."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    with tempfile.TemporaryDirectory(prefix="bench_attention-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs, conns = [], []
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(rank, world, store, opts, child), daemon=True)
+            proc.start()
+            child.close()
+            procs.append(proc)
+            conns.append(parent)
+        try:
+            deadline = time.monotonic() + timeout
+            results = []
+            for rank, conn in enumerate(conns):
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"rank {rank} did not finish within {timeout:.0f} s")
+                status, value = conn.recv()
+                if status != "ok":
+                    raise RuntimeError(f"rank {rank} failed: {value}")
+                results.append(value)
+            return results[0]
+        finally:
+            for proc in procs:
+                proc.join(10)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
+
+
+def single_process_ms(reps: int, threads: int) -> float:
+    """Median time of attention over the whole sequence in this one process."""
+    import torch
+
+    import cp
+
+    torch.set_num_threads(threads)
+    q, k, v = make_qkv()
+    times = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        cp.sdpa_in_layout(q, k, v)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure and print the table; the exit status is 1 when the run failed."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_attention", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=21)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--worlds", default="2,4", help="numbers of gloo ranks")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = parser.parse_args(argv)
+    opts = {"reps": args.reps, "warmup": args.warmup, "threads": args.threads}
+    start = time.perf_counter()
+    rows = []
+    try:
+        one = single_process_ms(args.reps, args.threads)
+        for world in (int(w) for w in args.worlds.split(",")):
+            r = run(world, opts)
+            u, g = r["ulysses"], r["gather K/V"]
+            rows.append([world, f"{u['bytes'] / 2**20:.2f}", f"{g['bytes'] / 2**20:.2f}", f"{u['ms']:.2f}",
+                         f"{g['ms']:.2f}", f"{g['ms'] / u['ms']:.2f}x", f"{one:.2f}"])
+    except Exception as exc:
+        print(f"bench_attention failed: {exc}", file=sys.stderr)
+        return 1
+    q = make_qkv()[0]
+    print(table(
+        f"context-parallel attention: q, k, v {list(q.shape)} float32 ({LATENT} patchified "
+        f"{'x'.join(map(str, PATCH))}, {HEADS} heads), gloo ranks",
+        ["ranks", "ulysses MiB sent/rank", "gather K/V MiB sent/rank", "ulysses ms", "gather K/V ms",
+         "speed-up", "1 process ms"],
+        rows,
+        [f"median of {args.reps} alternating repetitions (slowest rank), {args.threads} thread(s) per rank; "
+         f"both match one-process attention within 1e-5 before timing"],
+    ))
+    print(f"(bench_attention took {time.perf_counter() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
