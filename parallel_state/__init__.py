@@ -8,6 +8,9 @@ The runtime: ``launch`` (launcher detection), ``manager`` (DistributedManager), 
 (rank / world size / collective device), ``runtime`` (dist_init), ``log`` (print helpers).
 """
 
+#: megatron-core re-exports it from its module; code reaches it there.
+from datetime import timedelta  # noqa: E402, F401
+
 from parallel_state.accessors import (  # noqa: F401  (re-exported API)
     get_all_ranks,
     get_amax_reduction_group,
@@ -101,17 +104,35 @@ from parallel_state.errors import (  # noqa: F401
     ParallelStateAssertionError,
     ParallelStateError,
     ParallelStateTypeError,
+    ParallelStateValueError,
     ParallelStateWarning,
 )
 from parallel_state.initialize import destroy_model_parallel, initialize_model_parallel  # noqa: F401
 from parallel_state.launch import LaunchInfo, detect_launch  # noqa: F401
 from parallel_state.log import print_per_rank, print_rank_0  # noqa: F401
 from parallel_state.manager import DistributedManager  # noqa: F401
+from parallel_state.memory import (  # noqa: F401
+    GlobalMemoryBuffer,
+    GlobalSymmetricMemoryBuffer,
+    _set_global_symmetric_memory_buffer,
+    destroy_global_memory_buffer,
+    destroy_global_symmetric_memory_buffer,
+    get_global_memory_buffer,
+    get_global_symmetric_memory_buffer,
+)
+from parallel_state.nccl import get_nccl_options, overwrite_nccl_comm_cfgs  # noqa: F401
 from parallel_state.plan import (  # noqa: F401
     DEFAULT_ORDER,
     TopologyPlan,
     default_embedding_ranks,
     default_position_embedding_ranks,
+)
+from parallel_state.process_groups import create_group, is_torch_min_version, update_pg_timeout  # noqa: F401
+from parallel_state.rank_generator import (  # noqa: F401
+    RankGenerator,
+    create_hierarchical_groups,
+    create_hybrid_dp_cp_groups,
+    generate_masked_orthogonal_rank_groups,
 )
 from parallel_state.resolve import collective_device, resolve_global_rank, resolve_world_size  # noqa: F401
 from parallel_state.runtime import (  # noqa: F401

@@ -136,11 +136,10 @@ def compute(state: _st.ParallelState | None, overrides: dict[str, Any]) -> dict[
     if state is not None:
         plan = state.plan
         for kind in plan.kinds:
-            group = state.groups.get(kind)
-            out[f"{kind}.group"] = group
             ranks = state.ranks(kind)
-            if group is None and not ranks:
-                continue  # not a member (embedding stages): the group accessors report None / assert
+            if not ranks:
+                continue  # not a member (embedding stages): the group accessors assert, or read None
+            out[f"{kind}.group"] = state.groups[kind]
             out[f"{kind}.ranks"] = list(ranks)
             out[f"{kind}.size"] = len(ranks)
             out[f"{kind}.rank"] = state.group_rank(kind)

@@ -21,3 +21,7 @@ class ParallelStateAssertionError(ParallelStateError, AssertionError):
     Also an AssertionError, so code written against megatron-core that catches AssertionError
     keeps working; the message still says what to do.
     """
+
+
+class ParallelStateValueError(ParallelStateError, ValueError):
+    """Raised where megatron-core raises ValueError; both a ValueError and a ParallelStateError."""

@@ -39,46 +39,14 @@ def _alias(name: str, megatron_value: Any, default: Any, alias_name: str, alias_
     return alias_value
 
 
-def _nccl_options_factory(config_path: str | None, high_priority: list[str] | None) -> Callable[[str], Any]:
-    cfgs: dict[str, dict[str, Any]] = {}
-    if config_path is not None:
-        try:
-            import yaml
-        except ImportError as exc:
-            raise ParallelStateError(
-                "nccl_communicator_config_path needs the 'yaml' package: pip install pyyaml"
-            ) from exc
-        try:
-            with open(config_path) as stream:
-                cfgs = yaml.safe_load(stream) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ParallelStateError(
-                f"nccl_communicator_config_path={config_path!r} cannot be read ({exc}); pass the path of a "
-                f"YAML file of per-group NCCL settings, or None"
-            ) from exc
-    for name in high_priority or []:
-        cfgs.setdefault(name, {})["is_high_priority_stream"] = True
+def _nccl_options(config_path: Any, high_priority: list[str] | None) -> Callable[[str], Any]:
+    """Each kind's NCCL options (None where nothing is configured), as megatron-core builds them."""
+    from parallel_state.nccl import get_nccl_options, load_nccl_comm_cfgs
+
+    cfgs = load_nccl_comm_cfgs(config_path, high_priority)
     if not cfgs:
         return lambda kind: None
-
-    def options(kind: str) -> Any:
-        cfg = cfgs.get(_nccl_cfg_name(kind))
-        if cfg is None:
-            return None
-        import torch.distributed as dist
-
-        if not hasattr(dist, "ProcessGroupNCCL"):
-            raise ParallelStateError(
-                "NCCL communicator options were given but this torch build has no NCCL; "
-                "drop nccl_communicator_config_path / high_priority_stream_groups on CPU"
-            )
-        opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=cfg.get("is_high_priority_stream", False))
-        for key in ("cga_cluster_size", "max_ctas", "min_ctas", "net_name"):
-            if key in cfg:
-                setattr(opts.config, key, cfg[key])
-        return opts
-
-    return options
+    return lambda kind: get_nccl_options(_nccl_cfg_name(kind), cfgs)
 
 
 def initialize_model_parallel(
@@ -198,6 +166,7 @@ def initialize_model_parallel(
             # Every rank returns only once every rank has built its groups: all or none keep
             # them, and no rank can destroy a group a peer is still connecting to.
             _confirm(None, timeout)
+        _set_companions()
         _bridge_if_megatron_loaded()
     except BaseException:
         _st.teardown()  # nothing half-built
@@ -272,7 +241,7 @@ def _validated(world: int, tp: Any, cp: Any, pp: Any, *, spelled: dict[str, Any]
             "virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1 "
             "(the interleaved schedule has nothing to interleave otherwise)"
         )
-    return plan, vpp, backend, _nccl_options_factory(config_path, priority)
+    return plan, vpp, backend, _nccl_options(config_path, priority)
 
 
 def _callable_name(fn: Any) -> Any:
@@ -302,6 +271,24 @@ def _comparable_order(order: Any, tp: Any, cp: Any, pp: Any) -> Any:
         return TopologyPlan(tp * cp * pp, tp=tp, cp=cp, pp=pp, order=order).order
     except Exception:
         return order
+
+
+def _set_companions() -> None:
+    """What megatron-core's initialize sets up beside the groups: the memory buffer and the group list."""
+    from parallel_state import memory, process_groups
+
+    memory.destroy_global_memory_buffer()  # one set by hand before initialize is replaced, not an error
+    memory.set_global_memory_buffer()
+    process_groups.register_process_groups(_st.current("initialize_model_parallel").owned)
+    _st.register_teardown_hook(_free_companions)
+
+
+def _free_companions() -> None:
+    from parallel_state import memory, process_groups
+
+    memory.destroy_global_memory_buffer()
+    memory.destroy_global_symmetric_memory_buffer()
+    process_groups.clear_process_groups()
 
 
 def _bridge_if_megatron_loaded() -> None:

@@ -65,22 +65,24 @@ EMPTY: dict[str, Any] = {"_HYBRID_DP_CP_GROUPS": {}}
 
 
 def _process_group_list() -> list[Any] | None:
-    state = _st.peek()
-    return None if state is None else [None, *state.owned]  # None stands for the default group
+    from parallel_state import process_groups
+
+    groups = process_groups.process_groups()
+    return groups if len(groups) > 1 else None  # [None] alone: nothing was created
 
 
-def _memory_buffer() -> Any:
+def _memory(name: str) -> Any:
     from parallel_state import memory
 
-    return memory.current_global_memory_buffer()
+    return getattr(memory, name)
 
 
 #: Globals computed by a function of their own.
 COMPUTED = {
     "_HYBRID_DP_CP_GROUPS": lambda: ANSWERS.get("hybrid.groups", {}),
     "_global_process_group_list": _process_group_list,
-    "_GLOBAL_MEMORY_BUFFER": _memory_buffer,
-    "_GLOBAL_SYMMETRIC_MEMORY_BUFFER": lambda: None,
+    "_GLOBAL_MEMORY_BUFFER": lambda: _memory("_GLOBAL_MEMORY_BUFFER"),
+    "_GLOBAL_SYMMETRIC_MEMORY_BUFFER": lambda: _memory("_GLOBAL_SYMMETRIC_MEMORY_BUFFER"),
     "_MPU_DATA_PARALLEL_WORLD_SIZE": lambda: None,  # megatron-core has no setter for it
 }
 

@@ -20,8 +20,7 @@ from contextlib import nullcontext
 from typing import Any, Callable, Optional, Sequence
 
 from parallel_state.arguments import is_int
-from parallel_state.compat_errors import ParallelStateAssertionError
-from parallel_state.errors import ParallelStateError, ParallelStateTypeError
+from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
 
 
 def _default_device() -> Any:
@@ -211,3 +210,10 @@ def destroy_global_symmetric_memory_buffer() -> None:
     """Drop the global symmetric memory buffer (harmless when there is none)."""
     global _GLOBAL_SYMMETRIC_MEMORY_BUFFER
     _GLOBAL_SYMMETRIC_MEMORY_BUFFER = None
+
+
+def _set_global_symmetric_memory_buffer() -> None:
+    """megatron-core's private spelling, called by its dynamic inference context: over the tensor-parallel group."""
+    from parallel_state.accessors import get_tensor_model_parallel_group
+
+    set_global_symmetric_memory_buffer(get_tensor_model_parallel_group())

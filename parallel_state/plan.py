@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from parallel_state.arguments import positive_int
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
@@ -407,14 +407,24 @@ def _split_index(spec: SplitKind, position: int) -> int:
 
 def hybrid_sizes(n: int) -> list[int]:
     """megatron-core's hybrid dp x cp group sizes for ``n`` ranks: the powers of two from 2 below 2**floor(log2 n)."""
-    return [2 ** i for i in range(1, max(n.bit_length() - 1, 1))]
+    # int(log2(n)) without floating point: the position of n's highest set bit.
+    return [2 ** i for i in range(1, n.bit_length() - 1)]
 
 
-def default_embedding_ranks(pp_ranks: list[int]) -> list[int]:
-    """The stages holding the word embeddings: the first and the last (one stage: that one)."""
-    return [pp_ranks[0]] if len(pp_ranks) == 1 else [pp_ranks[0], pp_ranks[-1]]
+def _pp_rank_list(pp_ranks: object) -> list[Any]:
+    if isinstance(pp_ranks, (str, bytes)) or not isinstance(pp_ranks, Sequence):
+        raise ParallelStateTypeError(f"pp_ranks must be the list of a pipeline's global ranks, got {pp_ranks!r}")
+    if len(pp_ranks) == 0:
+        raise ParallelStateError("pp_ranks is empty; pass the global ranks of one pipeline, first stage first")
+    return list(pp_ranks)
 
 
-def default_position_embedding_ranks(pp_ranks: list[int]) -> list[int]:
-    """The stage holding the position embeddings: the first."""
-    return [pp_ranks[0]]
+def default_embedding_ranks(pp_ranks: Sequence[int]) -> list[int]:
+    """The ranks that hold the word embeddings by default: the first and last pipeline stages."""
+    ranks = _pp_rank_list(pp_ranks)
+    return [ranks[0]] if len(ranks) == 1 else [ranks[0], ranks[-1]]
+
+
+def default_position_embedding_ranks(pp_ranks: Sequence[int]) -> list[int]:
+    """The ranks that hold the position embeddings by default: the first pipeline stage."""
+    return [_pp_rank_list(pp_ranks)[0]]

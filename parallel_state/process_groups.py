@@ -18,8 +18,7 @@ import os
 from typing import Any, Iterable, Sequence
 
 from parallel_state.arguments import flag, is_int, optional_str
-from parallel_state.compat_errors import ParallelStateValueError
-from parallel_state.errors import ParallelStateError, ParallelStateTypeError
+from parallel_state.errors import ParallelStateError, ParallelStateTypeError, ParallelStateValueError
 
 #: The groups ``update_pg_timeout`` updates when given no group; None stands for the default
 #: group (megatron-core's ``_global_process_group_list``, which also starts with None).

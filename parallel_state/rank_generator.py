@@ -16,9 +16,14 @@ import operator
 from typing import Any, Sequence
 
 from parallel_state.arguments import flag, is_int, non_negative_int, positive_int
-from parallel_state.compat_errors import ParallelStateAssertionError, ParallelStateValueError
-from parallel_state.errors import ParallelStateError, ParallelStateTypeError
-from parallel_state.plan import Grid
+from parallel_state.errors import (
+    ParallelStateAssertionError,
+    ParallelStateError,
+    ParallelStateTypeError,
+    ParallelStateValueError,
+)
+from parallel_state.grid import Grid
+from parallel_state.plan import default_embedding_ranks, default_position_embedding_ranks, hybrid_sizes  # noqa: F401
 
 
 def _rank_list(name: str, ranks: object) -> list[int]:
@@ -139,25 +144,6 @@ def generate_masked_orthogonal_rank_groups(
     return [[b + m for m in members] for b in bases[:count]]
 
 
-def _pp_rank_list(pp_ranks: object) -> list[Any]:
-    if isinstance(pp_ranks, (str, bytes)) or not isinstance(pp_ranks, Sequence):
-        raise ParallelStateTypeError(f"pp_ranks must be the list of a pipeline's global ranks, got {pp_ranks!r}")
-    if len(pp_ranks) == 0:
-        raise ParallelStateError("pp_ranks is empty; pass the global ranks of one pipeline, first stage first")
-    return list(pp_ranks)
-
-
-def default_embedding_ranks(pp_ranks: Sequence[int]) -> list[int]:
-    """The ranks that hold the word embeddings by default: the first and last pipeline stages."""
-    ranks = _pp_rank_list(pp_ranks)
-    return [ranks[0]] if len(ranks) == 1 else [ranks[0], ranks[-1]]
-
-
-def default_position_embedding_ranks(pp_ranks: Sequence[int]) -> list[int]:
-    """The ranks that hold the position embeddings by default: the first pipeline stage."""
-    return [_pp_rank_list(pp_ranks)[0]]
-
-
 def _level_sizes(ranks: list[int], sizes: object) -> list[int]:
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or len(sizes) == 0:
         raise ParallelStateTypeError(
@@ -199,9 +185,7 @@ def hybrid_rank_groups(ranks: Sequence[int]) -> dict[int, list[list[int]]]:
     ``len(ranks)`` the last slice is shorter.
     """
     members = _rank_list("ranks", ranks)
-    # int(log2(n)) without floating point: the position of n's highest set bit.
-    sizes = [2 ** i for i in range(1, len(members).bit_length() - 1)]
-    return {size: [members[i:i + size] for i in range(0, len(members), size)] for size in sizes}
+    return {size: [members[i:i + size] for i in range(0, len(members), size)] for size in hybrid_sizes(len(members))}
 
 
 def _this_rank(rank: object) -> int:

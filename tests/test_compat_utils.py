@@ -16,8 +16,7 @@ import warnings
 import numpy as np
 import pytest
 
-from parallel_state.compat_errors import ParallelStateAssertionError
-from parallel_state.errors import ParallelStateError, ParallelStateTypeError
+from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
 from parallel_state.memory import (
     GlobalMemoryBuffer,
     GlobalSymmetricMemoryBuffer,
