@@ -119,7 +119,7 @@ def _calls(fn, topology):
 
 def _answers(module, topology):
     out = {}
-    for name, fn in sorted(_public(_megatron()).items()):
+    for name in sorted(_public(_megatron())):
         if not name.startswith(("get_", "is_", "has_", "model_parallel")):
             continue
         for kwargs in _calls(getattr(module, name), topology):
