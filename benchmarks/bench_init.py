@@ -42,7 +42,8 @@ def _worker(impl: str, world: int, rank: int, sizes: dict[str, int], repeat: int
             from megatron.core import parallel_state as ps
         extra = {}
     kwargs = dict(tensor_model_parallel_size=sizes["tp"], context_parallel_size=sizes["cp"],
-                  pipeline_model_parallel_size=sizes["pp"], create_gloo_process_groups=False, **extra)
+                  pipeline_model_parallel_size=sizes["pp"], expert_model_parallel_size=sizes["ep"],
+                  create_gloo_process_groups=False, **extra)
     init, destroy = [], []
     for _ in range(repeat):
         gc.collect()
@@ -78,7 +79,8 @@ def measure(world: int, sizes: dict[str, int], repeat: int, timeout: float) -> d
     for impl in IMPLS:
         out[impl] = run_worker(
             ["-m", "benchmarks.bench_init", "--worker", impl, "--world", str(world), "--rank", str(rank),
-             "--tp", str(sizes["tp"]), "--cp", str(sizes["cp"]), "--pp", str(sizes["pp"]), "--repeat", str(repeat)],
+             "--tp", str(sizes["tp"]), "--cp", str(sizes["cp"]), "--pp", str(sizes["pp"]), "--ep", str(sizes["ep"]),
+             "--repeat", str(repeat)],
             timeout=timeout, what=f"bench_init worker {impl} world={world}",
         )
     return out
@@ -92,28 +94,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--cp", type=int, default=4)
     parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--ep", type=int, default=1, help="expert-model-parallel size of the main rows")
+    parser.add_argument("--expert-sizes", default="16384",
+                        help="world sizes of the expert rows, which add --expert-ep (default %(default)s; '' for none)")
+    parser.add_argument("--expert-ep", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3, help="timed cycles per interpreter; the median is shown")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per worker")
     parser.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    sizes = {"tp": args.tp, "cp": args.cp, "pp": args.pp}
+    sizes = {"tp": args.tp, "cp": args.cp, "pp": args.pp, "ep": args.ep}
     if args.worker:
         emit(_worker(args.worker, args.world, args.rank, sizes, args.repeat))
         return 0
     rows = []
-    for world in (int(s) for s in args.sizes.split(",")):
-        res = measure(world, sizes, args.repeat, args.timeout)
+    runs = [(int(w), sizes, "") for w in args.sizes.split(",") if w]
+    runs += [(int(w), {**sizes, "ep": args.expert_ep}, f" (ep {args.expert_ep})") for w in args.expert_sizes.split(",") if w]
+    for world, sizes_here, tag in runs:
+        res = measure(world, sizes_here, args.repeat, args.timeout)
         ours, theirs = res["parallel_state"], res["megatron-core"]
         t_ours = median([i + d for i, d in zip(ours["init"], ours["destroy"], strict=True)])
         t_theirs = median([i + d for i, d in zip(theirs["init"], theirs["destroy"], strict=True)])
-        rows.append([f"{world:,}", f"{t_ours * 1e3:.2f}", f"{t_theirs * 1e3:.2f}", ratio(t_theirs, t_ours),
+        rows.append([f"{world:,}{tag}", f"{t_ours * 1e3:.2f}", f"{t_theirs * 1e3:.2f}", ratio(t_theirs, t_ours),
                      f"{ours['new_group_calls']:,} / {theirs['new_group_calls']:,}",
                      f"{ours['member_of']} / {theirs['member_of']}"])
-        print(f"  world {world:,}: parallel_state {t_ours * 1e3:.2f} ms, megatron-core {t_theirs * 1e3:.2f} ms",
+        print(f"  world {world:,}{tag}: parallel_state {t_ours * 1e3:.2f} ms, megatron-core {t_theirs * 1e3:.2f} ms",
               flush=True)
-    topo = f"tp={args.tp} cp={args.cp} pp={args.pp}"
+    topo = f"tp={args.tp} cp={args.cp} pp={args.pp}" + (f" ep={args.ep}" if args.ep > 1 else "")
     print(table(
         f"initialize_model_parallel + destroy_model_parallel, one simulated rank ({topo}, fake backend)",
         ["world size", "parallel_state ms", "megatron-core ms", "speed-up", "new_group calls (ours / mc)",
@@ -121,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         rows,
         notes=[f"Median of {args.repeat} cycles, each implementation and size in a fresh interpreter; "
                f"create_gloo_process_groups=False for both, check_consistency=False for parallel_state.",
-               "new_group calls: how many times one rank called torch.distributed.new_group in one initialize."],
+               "new_group calls: how many times one rank called torch.distributed.new_group in one initialize.",
+               "Every group megatron-core builds is built by both: expert, embedding, position-embedding and "
+               "distributed-optimizer-instance groups included; rows marked (ep N) add expert parallelism."],
     ))
     return 0
 

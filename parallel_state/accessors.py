@@ -13,13 +13,18 @@ from typing import Any, Callable
 
 from parallel_state import state as _st
 from parallel_state.answers import ANSWERS as _A
+from parallel_state.answers import lookup as _lookup
+from parallel_state.answers import missing as _missing
 from parallel_state.arguments import flag, non_negative_int, positive_int
 from parallel_state.errors import ParallelStateAssertionError
 
 
 def _value(key: str, doc: str) -> Callable[[], Any]:
     def get() -> Any:
-        return _A[key]
+        try:
+            return _A[key]
+        except KeyError:
+            return _missing(key)
 
     get.__doc__ = doc
     return get
@@ -28,8 +33,11 @@ def _value(key: str, doc: str) -> Callable[[], Any]:
 def _group(key: str, doc: str) -> Callable[..., Any]:
     def get(check_initialized: bool = True) -> Any:
         if check_initialized is True:
-            return _A[key]
-        return _A[key] if flag("check_initialized", check_initialized) else _A.get(key)
+            try:
+                return _A[key]
+            except KeyError:
+                return _missing(key)
+        return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
 
     get.__doc__ = doc
     return get
@@ -51,8 +59,11 @@ def _dp_number(what: str, doc: str) -> Callable[..., int]:
 
     def get(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
         if with_context_parallel is False and partial_data_parallel is False:
-            return _A[key]
-        return _A[_dp_key(what, with_context_parallel, partial_data_parallel)]
+            try:
+                return _A[key]
+            except KeyError:
+                return _missing(key)
+        return _lookup(_dp_key(what, with_context_parallel, partial_data_parallel))
 
     get.__doc__ = doc
     return get
@@ -63,9 +74,9 @@ def _edp_number(what: str, doc: str) -> Callable[..., int]:
 
     def get(partial_expert_data_parallel: bool = False) -> int:
         if partial_expert_data_parallel is False:
-            return _A[key]
-        return _A[f"edp-intra.{what}" if flag("partial_expert_data_parallel", partial_expert_data_parallel)
-                  else f"edp.{what}"]
+            return _lookup(key)
+        partial = flag("partial_expert_data_parallel", partial_expert_data_parallel)
+        return _lookup(f"edp-intra.{what}" if partial else key)
 
     get.__doc__ = doc
     return get
@@ -130,11 +141,14 @@ def get_data_parallel_group(with_context_parallel: bool = False, partial_data_pa
     """This rank's data-parallel group (dp x cp with ``with_context_parallel``; its instance's part, or
     the separate all-gather group, on request)."""
     if with_context_parallel is False and partial_data_parallel is False and independent_all_gather is False:
-        return _A["dp.group"]
+        try:
+            return _A["dp.group"]
+        except KeyError:
+            return _missing("dp.group")
     cp, partial = flag("with_context_parallel", with_context_parallel), flag("partial_data_parallel", partial_data_parallel)
     if flag("independent_all_gather", independent_all_gather) and cp and not partial:
-        return _A["dp-cp-ag.group"]
-    return _A[_dp_key("group", cp, partial)]
+        return _lookup("dp-cp-ag.group")
+    return _lookup(_dp_key("group", cp, partial))
 
 
 def has_separate_all_gather_group() -> bool:
@@ -145,22 +159,22 @@ def has_separate_all_gather_group() -> bool:
 def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> Any:
     """This rank's gloo data-parallel group (dp x cp with ``with_context_parallel``)."""
     if with_context_parallel is False and partial_data_parallel is False:
-        return _A["dp.gloo"]
-    return _A[_dp_key("gloo", with_context_parallel, partial_data_parallel)]
+        return _lookup("dp.gloo")
+    return _lookup(_dp_key("gloo", with_context_parallel, partial_data_parallel))
 
 
 def get_tensor_and_data_parallel_group(check_initialized: bool = True, with_context_parallel: bool = False) -> Any:
     """This rank's tp x dp group (tp x dp x cp with ``with_context_parallel``)."""
     key = "tp-dp-cp.group" if flag("with_context_parallel", with_context_parallel) else "tp-dp.group"
-    return _A[key] if flag("check_initialized", check_initialized) else _A.get(key)
+    return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
 
 
 def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_red: bool = False) -> Any:
     """The FP8 amax-reduction group: tp x dp (x cp), or tp (x cp) with ``tp_only_amax_red``."""
     cp = flag("with_context_parallel", with_context_parallel)
     if flag("tp_only_amax_red", tp_only_amax_red):
-        return _A["tp-cp.group" if cp else "tp.group"]
-    return _A["tp-dp-cp.group" if cp else "tp-dp.group"]
+        return _lookup("tp-cp.group" if cp else "tp.group")
+    return _lookup("tp-dp-cp.group" if cp else "tp-dp.group")
 
 
 def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, group_size: int | None = None) -> Any:
@@ -169,8 +183,8 @@ def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, grou
     if not check and "initialized" not in _A:
         return None
     if group_size == get_data_parallel_world_size(with_context_parallel=True):
-        return _A["dp-cp.group"] if check else _A.get("dp-cp.group")
-    groups = _A["hybrid.groups"] if check else _A.get("hybrid.groups")
+        return _lookup("dp-cp.group") if check else _A.get("dp-cp.group")
+    groups = _lookup("hybrid.groups") if check else _A.get("hybrid.groups")
     if groups is None:
         return None
     if group_size not in groups:
@@ -185,7 +199,7 @@ def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, grou
 def get_expert_data_parallel_group(check_initialized: bool = True, partial_expert_data_parallel: bool = False) -> Any:
     """This rank's expert data-parallel group (its instance's part with ``partial_expert_data_parallel``)."""
     key = "edp-intra.group" if flag("partial_expert_data_parallel", partial_expert_data_parallel) else "edp.group"
-    return _A[key] if flag("check_initialized", check_initialized) else _A.get(key)
+    return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
 
 
 def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = False) -> Any:
@@ -197,7 +211,7 @@ def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = F
 
 def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False) -> Any:
     """This rank's gloo expert data-parallel group."""
-    return _A["edp-intra.gloo" if flag("partial_expert_data_parallel", partial_expert_data_parallel) else "edp.gloo"]
+    return _lookup("edp-intra.gloo" if flag("partial_expert_data_parallel", partial_expert_data_parallel) else "edp.gloo")
 
 
 # --- ranks and sizes -------------------------------------------------------------------------
@@ -238,7 +252,7 @@ get_all_ranks = _value("all_ranks", "This rank's tp, dp, cp, pp and ep ranks joi
 
 def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
     """Global rank of the first member of this rank's data-parallel group."""
-    return _A["dp-cp.src" if flag("with_context_parallel", with_context_parallel) else "dp.src"]
+    return _lookup("dp-cp.src" if flag("with_context_parallel", with_context_parallel) else "dp.src")
 
 
 set_tensor_model_parallel_world_size = _setter("tensor_model_parallel_world_size", "world_size")
@@ -269,19 +283,25 @@ def _vp_stage(vp_stage: int | None, vpp: int) -> int:
 def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether this rank runs the first pipeline stage (and, unless ignore_virtual, the first chunk)."""
     if ignore_virtual is not True and not flag("ignore_virtual", ignore_virtual):
-        vpp = _A["vpp.size"]
+        vpp = _lookup("vpp.size")
         if vpp is not None and _vp_stage(vp_stage, vpp) != 0:
             return False
-    return _A["pp.is_first"]
+    try:
+        return _A["pp.is_first"]
+    except KeyError:
+        return _missing("pp.is_first")
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether this rank runs the last pipeline stage (and, unless ignore_virtual, the last chunk)."""
     if ignore_virtual is not True and not flag("ignore_virtual", ignore_virtual):
-        vpp = _A["vpp.size"]
+        vpp = _lookup("vpp.size")
         if vpp is not None and _vp_stage(vp_stage, vpp) != vpp - 1:
             return False
-    return _A["pp.is_last"]
+    try:
+        return _A["pp.is_last"]
+    except KeyError:
+        return _missing("pp.is_last")
 
 
 def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
@@ -290,7 +310,7 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
         return False
     if ignore_virtual is True or flag("ignore_virtual", ignore_virtual):
         return True
-    ranks, rank = _A["embd.ranks"], _st.current("is_rank_in_embedding_group").rank
+    ranks, rank = _lookup("embd.ranks"), _st.current("is_rank_in_embedding_group").rank
     if rank == ranks[0]:
         return is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if rank == ranks[-1]:
@@ -307,23 +327,23 @@ def is_rank_in_position_embedding_group() -> bool:
 
 def get_tp_group(with_context_parallel: bool = False) -> Any:
     """This rank's tensor-parallel group (tp x cp with ``with_context_parallel``)."""
-    return _A["tp-cp.group" if flag("with_context_parallel", with_context_parallel) else "tp.group"]
+    return _lookup("tp-cp.group" if flag("with_context_parallel", with_context_parallel) else "tp.group")
 
 
 def get_tp_rank(with_context_parallel: bool = False) -> int:
     """This rank's index in its tensor-parallel group (tp x cp with ``with_context_parallel``)."""
-    return _A["tp-cp.rank" if flag("with_context_parallel", with_context_parallel) else "tp.rank"]
+    return _lookup("tp-cp.rank" if flag("with_context_parallel", with_context_parallel) else "tp.rank")
 
 
 def get_tp_world_size(with_context_parallel: bool = False) -> int:
     """Number of ranks in this rank's tensor-parallel group (tp x cp with ``with_context_parallel``)."""
-    return _A["tp-cp.size" if flag("with_context_parallel", with_context_parallel) else "tp.size"]
+    return _lookup("tp-cp.size" if flag("with_context_parallel", with_context_parallel) else "tp.size")
 
 
 def get_tensor_model_parallel_ranks(with_context_parallel: bool = False, check_initialized: bool = True) -> Any:
     """Global ranks of this rank's tp (or tp x cp) group."""
     key = "tp-cp.ranks" if flag("with_context_parallel", with_context_parallel) else "tp.ranks"
-    return _A[key] if flag("check_initialized", check_initialized) else _A.get(key)
+    return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
 
 
 def get_tensor_model_parallel_last_rank(with_context_parallel: bool = False) -> int:

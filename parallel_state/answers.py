@@ -3,7 +3,8 @@
 An accessor runs per layer and per micro-batch, so it must cost a lookup: the answers live in
 one dict, ``ANSWERS``, keyed ``"<kind>.<what>"`` (``"tp.rank"``, ``"dp-cp.group"``,
 ``"pp.next"``). It is filled when the groups are built, refilled when a ``set_*`` override
-changes, and emptied on destroy. A key that is absent falls to ``__missing__``, which gives
+changes, and emptied on destroy. It is a plain dict (a subclass would cost every lookup): an
+accessor catches the KeyError of an absent key and asks :func:`missing`, which gives
 megatron-core's answer for that situation (0 for some ranks and sizes outside a distributed
 run, None for the virtual pipeline) or the error saying what to do.
 """
@@ -35,28 +36,28 @@ ZERO_WITHOUT_DIST = frozenset(f"{kind}.{what}" for kind in (
     "dp", "dp-cp", "dp-cp-intra", "cp", "tp-cp", "ep", "etp-ep", "edp", "edp-intra") for what in ("rank", "size"))
 
 
-def _pp_at(a: Any, step: int) -> int:
-    return a["pp.ranks"][(a["pp.rank"] + step) % a["pp.size"]]
+def _pp_at(a: Callable[[str], Any], step: int) -> int:
+    return a("pp.ranks")[(a("pp.rank") + step) % a("pp.size")]
 
 
-def _all_ranks(a: Any) -> str:
-    return "_".join(str(a[k] or 0) for k in ("tp.rank", "dp.rank", "cp.rank", "pp.rank", "ep.rank"))
+def _all_ranks(a: Callable[[str], Any]) -> str:
+    return "_".join(str(a(k) or 0) for k in ("tp.rank", "dp.rank", "cp.rank", "pp.rank", "ep.rank"))
 
 
 #: Answers computed from other answers: precomputed when possible, else computed on access
 #: (so that overrides set before initialize answer as in megatron-core).
 DERIVED: dict[str, Callable[[Any], Any]] = {
-    "pp.is_first": lambda a: a["pp.rank"] == 0,
-    "pp.is_last": lambda a: a["pp.rank"] == a["pp.size"] - 1,
-    "pp.first": lambda a: a["pp.ranks"][0],
-    "pp.last": lambda a: a["pp.ranks"][a["pp.size"] - 1],
+    "pp.is_first": lambda a: a("pp.rank") == 0,
+    "pp.is_last": lambda a: a("pp.rank") == a("pp.size") - 1,
+    "pp.first": lambda a: a("pp.ranks")[0],
+    "pp.last": lambda a: a("pp.ranks")[a("pp.size") - 1],
     "pp.next": lambda a: _pp_at(a, 1),
     "pp.prev": lambda a: _pp_at(a, -1),
-    "tp.src": lambda a: a["tp.ranks"][0],
-    "tp-pp.src": lambda a: a["tp-pp.ranks"][0],
-    "dp.src": lambda a: a["dp.ranks"][0],
-    "dp-cp.src": lambda a: a["dp-cp.ranks"][0],
-    "ep.src": lambda a: a["ep.ranks"][0],
+    "tp.src": lambda a: a("tp.ranks")[0],
+    "tp-pp.src": lambda a: a("tp-pp.ranks")[0],
+    "dp.src": lambda a: a("dp.ranks")[0],
+    "dp-cp.src": lambda a: a("dp-cp.ranks")[0],
+    "ep.src": lambda a: a("ep.ranks")[0],
     "all_ranks": _all_ranks,
 }
 
@@ -68,35 +69,6 @@ _NOT_BUILT = {
     "embd": "this rank holds no embedding (its pipeline stage is not one get_embedding_ranks picked)",
     "pos-embd": "this rank holds no position embedding (its stage is not one get_position_embedding_ranks picked)",
 }
-
-
-class Answers(dict):
-    """The answers dict; ``__missing__`` handles every key that has no precomputed answer."""
-
-    def __missing__(self, key: str) -> Any:
-        derive = DERIVED.get(key)
-        if derive is not None:
-            return derive(self)
-        kind, _, what = key.rpartition(".")
-        state = _st.peek()
-        if state is None:
-            if key in ZERO_WITHOUT_DIST and not _dist_ready():
-                return 0
-            if kind == "vpp":
-                return None
-            if kind == "etp" and what in ("rank", "size"):
-                # megatron-core falls back to the tensor-parallel override (None when unset).
-                return _st.overrides.get(f"tensor_model_parallel_{'rank' if what == 'rank' else 'world_size'}")
-            _st.current(_describe(kind, what))  # raises, saying what to call first
-        if what == "gloo" and not state.gloo_groups:
-            raise ParallelStateAssertionError(
-                f"the gloo {LABELS.get(kind, kind)} group was not created: initialize_model_parallel was called with "
-                f"create_gloo_process_groups=False; initialize with create_gloo_process_groups=True to have it"
-            )
-        hint = _NOT_BUILT.get(kind.split("-l")[0] if kind.startswith("cp-l") else kind)
-        raise ParallelStateAssertionError(
-            f"there is no {_describe(kind, what)} on this rank" + (f": {hint}" if hint else "")
-        )
 
 
 #: How messages name each kind.
@@ -115,6 +87,41 @@ LABELS = {
 }
 
 
+def lookup(key: str) -> Any:
+    """The answer for ``key``: the precomputed one, else what :func:`missing` says."""
+    try:
+        return ANSWERS[key]
+    except KeyError:
+        return missing(key)
+
+
+def missing(key: str) -> Any:
+    """The answer for a key with no precomputed answer, or the error that explains why there is none."""
+    derive = DERIVED.get(key)
+    if derive is not None:
+        return derive(lookup)
+    kind, _, what = key.rpartition(".")
+    state = _st.peek()
+    if state is None:
+        if key in ZERO_WITHOUT_DIST and not _dist_ready():
+            return 0
+        if kind == "vpp":
+            return None
+        if kind == "etp" and what in ("rank", "size"):
+            # megatron-core falls back to the tensor-parallel override (None when unset).
+            return _st.overrides.get(f"tensor_model_parallel_{'rank' if what == 'rank' else 'world_size'}")
+        _st.current(_describe(kind, what))  # raises, saying what to call first
+    if what == "gloo" and not state.gloo_groups:
+        raise ParallelStateAssertionError(
+            f"the gloo {LABELS.get(kind, kind)} group was not created: initialize_model_parallel was called with "
+            f"create_gloo_process_groups=False; initialize with create_gloo_process_groups=True to have it"
+        )
+    hint = _NOT_BUILT.get(kind.split("-l")[0] if kind.startswith("cp-l") else kind)
+    raise ParallelStateAssertionError(
+        f"there is no {_describe(kind, what)} on this rank" + (f": {hint}" if hint else "")
+    )
+
+
 def _describe(kind: str, what: str) -> str:
     noun = {"group": "group", "rank": "rank", "size": "world size", "ranks": "global ranks", "gloo": "gloo group",
             "src": "source rank", "groups": "groups"}.get(what, what)
@@ -127,7 +134,7 @@ def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-ANSWERS = Answers()
+ANSWERS: dict[str, Any] = {}
 
 
 def compute(state: _st.ParallelState | None, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -163,15 +170,15 @@ def compute(state: _st.ParallelState | None, overrides: dict[str, Any]) -> dict[
 
 def refresh() -> None:
     """Recompute every answer from the live state and the overrides."""
-    fresh = Answers(compute(_st.peek(), _st.overrides))
-    for key, derive in DERIVED.items():
-        try:
-            fresh[key] = derive(fresh)
-        except Exception:  # not answerable now (no groups yet): __missing__ explains on access
-            pass
+    fresh = compute(_st.peek(), _st.overrides)
     # One dict object for the life of the process: the accessors hold it directly.
     ANSWERS.clear()
     ANSWERS.update(fresh)
+    for key, derive in DERIVED.items():
+        try:
+            ANSWERS[key] = derive(lookup)
+        except Exception:  # not answerable now (no groups yet): missing() explains on access
+            pass
 
 
 _st.on_change(refresh)

@@ -245,7 +245,7 @@ class TopologyPlan:
             return self._grid(spec).group_ranks(spec.dims, rank)
         if isinstance(spec, SplitKind):
             base = self.group_ranks(spec.base, rank)
-            return tuple(base[p] for p in _split_positions(spec, base.index(rank)))
+            return tuple([base[p] for p in _split_positions(spec, base.index(rank))])
         if isinstance(spec, BlockKind):
             base = self.group_ranks(spec.base, rank)
             start = base.index(rank) // spec.size * spec.size
@@ -255,9 +255,11 @@ class TopologyPlan:
             return picked if rank in picked else ()
         # A rank's position in its expert dp group is its expert-dp coordinate, shared by its
         # whole tp x ep x pp group: an instance is the runs at positions [first, first + runs).
+        if spec.runs == self.edp:
+            return tuple(range(self.world_size))  # one instance: the whole world, without walking it
         edp = self.group_ranks("edp", rank)
         first = edp.index(rank) // spec.runs * spec.runs
-        return _member_order(tuple(r for q in edp[first:first + spec.runs] for r in self.group_ranks("etp-ep-pp", q)))
+        return _member_order(sum([self.group_ranks("etp-ep-pp", q) for q in edp[first:first + spec.runs]], ()))
 
     def picked(self, which: str, pp_ranks: tuple[int, ...]) -> tuple[int, ...]:
         """The embedding (or position-embedding) ranks of one pipeline, checked."""

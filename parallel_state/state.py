@@ -103,6 +103,7 @@ def build(
     """Create this rank's groups for ``plan`` and install them; on any error nothing is left behind."""
     global _state
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
     from parallel_state.groups import GroupBatch, destroy_groups, sharp_enabled
 
@@ -123,8 +124,14 @@ def build(
     try:
         # Kinds whose groups hold the same ranks on every rank share one group.
         by_signature: dict[Any, Any] = {}
+        whole_world = ((1, plan.world_size),)
         for kind in plan.kinds:
             signature = plan.signature(kind)
+            if signature == whole_world and signature not in by_signature and nccl_options(kind) is None \
+                    and (kind != "pp" or pipeline_backend is None) and kind != sharp_kind:
+                # A kind whose one group is the whole world is the default group: no new
+                # communicator, and no rank walks a world-sized rank list.
+                by_signature[signature] = c10d._get_default_group()
             if signature in by_signature:
                 state.groups[kind] = by_signature[signature]
                 batch.skip(plan.num_groups(kind))

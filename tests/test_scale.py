@@ -11,7 +11,10 @@ import subprocess
 import sys
 
 import parallel_state as ps
-from parallel_state.plan import KINDS, normalize_order
+from parallel_state.grid import normalize_order
+
+#: The decoder grid's kinds; with ep 1 the expert kinds are among them (expert dp = dp x cp).
+KINDS = ("dp-cp", "dp", "cp", "tp-pp", "tp", "pp", "tp-dp-cp", "tp-dp", "tp-cp")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -49,6 +52,11 @@ def test_each_rank_creates_only_its_own_groups_at_16384_ranks():
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     for case, got in zip(CASES, results, strict=True):
         expected = {brute_force_group(case, kind) for kind in KINDS}
+        # megatron-core's embedding picks (first and last stage; first stage) where this rank is one.
+        # Its one distributed-optimizer instance is the whole world: the default group serves it.
+        pp = sorted(brute_force_group(case, "pp"))
+        expected |= {frozenset(pick) for pick in ({pp[0], pp[-1]}, {pp[0]}) if case["rank"] in pick}
+        expected.add(frozenset({case["rank"]}))  # the expert-model-parallel group of one (ep 1)
         # One new_group call per distinct group the rank is in, each with exactly that group's ranks.
         assert sorted(map(sorted, expected)) == sorted(got["new_group_calls"]), case
         assert sorted(got["joined"]) == sorted(got["new_group_calls"]), case
