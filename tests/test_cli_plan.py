@@ -149,7 +149,7 @@ def test_plan_json_with_svg_prints_only_json(capsys, tmp_path):
 
 
 BAD = [
-    (_argv(6, 1, 4, 1, None), "world size 6 is not divisible by tp*cp*pp*ep = 1*4*1*1 = 4"),
+    (_argv(6, 1, 4, 1, None), "world size 6 is not divisible by tp*cp*pp = 1*4*1 = 4"),
     (_argv(4, 0, 2, 1, None), "tp size must be >= 1, got 0"),
     (_argv(4, 1, 2, 2, "tp-cp-xx"), "unknown token(s) ['xx']"),
     (_argv(4, 1, 2, 1, "tp-dp"), "cp size is 2 but order 'tp-dp' does not name 'cp'"),
@@ -192,7 +192,7 @@ def test_real_process_error_is_one_line_without_traceback():
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.splitlines() == [
-        "python -m parallel_state: error: world size 6 is not divisible by tp*cp*pp*ep = 1*4*1*1 = 4; "
+        "python -m parallel_state: error: world size 6 is not divisible by tp*cp*pp = 1*4*1 = 4; "
         "choose sizes whose product divides the world size"]
 
 

@@ -136,8 +136,12 @@ def _answers(module, topology):
 def _globals(module, names):
     out = {n: _describe(getattr(module, n)) for n in names}
     if "_global_process_group_list" in out:
-        # The groups update_pg_timeout visits: ours holds each rank set once (equal kinds share a group).
-        out["_global_process_group_list"] = sorted({repr(g) for g in out["_global_process_group_list"]})
+        # The groups update_pg_timeout visits: ours holds each rank set once (equal kinds share a group),
+        # and a whole-world group is the default group, which the list's None stands for.
+        import torch.distributed as dist
+
+        world = repr(("group", tuple(range(dist.get_world_size()))))
+        out["_global_process_group_list"] = sorted({repr(g) for g in out["_global_process_group_list"]} - {world})
     return out
 
 
