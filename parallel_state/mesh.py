@@ -283,7 +283,7 @@ def _build_fsdp_groups(state: Any, dpcp: tuple[int, ...], size: int) -> tuple[An
     finally:
         outer.close()
     try:
-        confirm_everywhere("parallel_state.fsdp_mesh groups", error, timeout=state.timeout)
+        confirm_everywhere("parallel_state.fsdp_mesh (group creation)", error, timeout=state.timeout)
     except BaseException as exc:
         error = error or exc
     if error is not None:

@@ -247,6 +247,34 @@ def case_fsdp_created_groups():
     return out
 
 
+def _one_rank_fails_creating():
+    """dp 4, shard_size 2 (two new groups): rank 0 fails after creating its groups; no rank may keep any."""
+    import torch.distributed as dist
+
+    from parallel_state.groups import GroupBatch
+
+    ps.destroy_model_parallel()
+    _init()
+    baseline = _registry()
+    original = GroupBatch.wait_for_members
+    calls = []
+
+    def fail_after_creating(self):
+        original(self)
+        calls.append(self)
+        if len(calls) == 2:  # the replicate batch: every group is up, so no peer is left waiting on rank 0
+            raise RuntimeError("injected failure after creating the groups")
+
+    if dist.get_rank() == 0:
+        GroupBatch.wait_for_members = fail_after_creating
+    try:
+        error = _raises(lambda: ps.fsdp_mesh(2))
+    finally:
+        GroupBatch.wait_for_members = original
+    clean = _registry() == baseline and not mesh_module._fsdp_groups and not mesh_module._created
+    return {"error": error, "clean": clean, "retry": _ranks(ps.fsdp_mesh(2).get_group("shard"))}
+
+
 def case_errors():
     """Bad arguments, ranks that disagree, and a mesh line that does not match its group."""
     import torch.distributed as dist
@@ -274,6 +302,7 @@ def case_errors():
     out["wrong_place"] = _raises(lambda: mesh_module._check_lines(
         "device_mesh()", torch.flip(tensor, [1]), rank, coords, MESH_DIMS, wrong,
         {d: plan.group_ranks(d, rank) for d in MESH_DIMS}, plan.order))
+    out["failed_creation"] = _one_rank_fails_creating()
     return out
 
 
@@ -385,7 +414,7 @@ def test_fsdp_mesh_creates_only_missing_groups_and_frees_them(pools):
 
 def test_error_rows(pools):
     results = pools(4).run(case_errors, timeout=120)
-    for out in results:
+    for rank, out in enumerate(results):
         assert out["three"][0] == "ParallelStateError" and "shard_size=3 does not divide the 4" in out["three"][1]
         assert "[1, 2, 4]" in out["three"][1] and "shard_size=0" in out["zero"][1]
         for name in ("str", "float", "bool"):
@@ -394,6 +423,12 @@ def test_error_rows(pools):
         assert out["device_int"][0] == "ParallelStateTypeError"
         assert out["disagree"][2] and "rank 0" in out["disagree"][1] and "shard_size" in out["disagree"][1]
         assert out["clean"] and out["retry"] == [[0, 1], [2, 3]]
+        failed = out["failed_creation"]
+        if rank == 0:
+            assert failed["error"][:2] == ("RuntimeError", "injected failure after creating the groups"), failed
+        else:
+            assert failed["error"][2] and "fsdp_mesh (group creation) failed on rank 0" in failed["error"][1], failed
+        assert failed["clean"] and failed["retry"] == [rank - rank % 2, rank - rank % 2 + 1], failed
         assert out["wrong_group"][2] and "along 'pp'" in out["wrong_group"][1], out["wrong_group"]
         assert out["wrong_place"][2] and "not at its plan coordinates" in out["wrong_place"][1]
 
