@@ -24,7 +24,7 @@ raises ParallelStateError. torch is imported only when a mesh is asked for.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Iterator
 
 from parallel_state import state as _st
 from parallel_state.errors import ParallelStateError, ParallelStateTypeError
@@ -230,71 +230,96 @@ def fsdp_mesh(shard_size: int | None = None, *, device_type: str | None = None) 
 
     pair = _fsdp_groups.get(size)
     if pair is None:
-        pair = _build_fsdp_groups(state, dpcp, size)
-    position = dpcp.index(rank)
-    block, column = divmod(position, size)
+        pair = _build_fsdp_groups(state, size)
     tensor = torch.tensor(dpcp, dtype=torch.int).reshape(n // size, size)
-    expected = {"replicate": dpcp[column::size], "shard": dpcp[block * size:(block + 1) * size]}
-    _check_lines("parallel_state.fsdp_mesh()", tensor, rank, (block, column), FSDP_DIMS,
-                 dict(zip(FSDP_DIMS, pair, strict=True)), expected, plan.order)
+    wanted = _fsdp_wanted(plan, rank, size)
+    _check_lines("parallel_state.fsdp_mesh()", tensor, rank, divmod(dpcp.index(rank), size), FSDP_DIMS,
+                 dict(zip(FSDP_DIMS, pair, strict=True)), {d: wanted[d][0] for d in FSDP_DIMS}, plan.order)
     mesh = DeviceMesh.from_group(list(pair), kind, mesh=tensor, mesh_dim_names=FSDP_DIMS)
     _fsdp_meshes[(size, kind)] = mesh
     _owner = state
     return mesh
 
 
-def _build_fsdp_groups(state: Any, dpcp: tuple[int, ...], size: int) -> tuple[Any, Any]:
+def _fsdp_wanted(plan: Any, rank: int, size: int) -> dict[str, tuple[tuple[int, ...], int, int]]:
+    """sort -> (this rank's group, its index among the world's groups of that sort, how many the world has).
+
+    The index is the same on every member (same dp-cp group, same block or column), which is
+    what gives the members one counter name; the count depends on the plan and ``size`` only.
+    """
+    dpcp = plan.group_ranks("dp-cp", rank)
+    n = len(dpcp)
+    block, column = divmod(dpcp.index(rank), size)
+    index = plan.group_index("dp-cp", rank)
+    return {
+        "shard": (dpcp[block * size:(block + 1) * size], index * (n // size) + block, plan.world_size // size),
+        "replicate": (dpcp[column::size], index * size + column, plan.world_size // n * size),
+    }
+
+
+def _world_fsdp_groups(plan: Any, size: int, sort: str) -> Iterator[tuple[int, ...]]:
+    """Every group of ``sort`` in the world, in index order (for the eager-NCCL path, where all ranks create all)."""
+    for dpcp in plan.groups("dp-cp"):
+        if sort == "shard":
+            yield from (dpcp[b * size:(b + 1) * size] for b in range(len(dpcp) // size))
+        else:
+            yield from (dpcp[c::size] for c in range(size))
+
+
+def _build_fsdp_groups(state: Any, size: int) -> tuple[Any, Any]:
     """This rank's (replicate, shard) groups for ``size``: reused, or created members-only; all ranks or none."""
     global _owner
     from parallel_state.consistency import check_same_everywhere, confirm_everywhere
     from parallel_state.groups import GroupBatch, destroy_groups
 
-    plan, rank = state.plan, state.rank
+    plan = state.plan
     # Before any group, so that a rank called with another shard_size is named on every rank
     # instead of leaving its peers waiting in new_group.
     check_same_everywhere("parallel_state.fsdp_mesh", {"shard_size": size}, timeout=state.timeout)
-    n = len(dpcp)
-    block, column = divmod(dpcp.index(rank), size)
-    index = plan.group_index("dp-cp", rank)
-    # (ranks, this group's index among the world's groups of its sort, how many the world has)
-    wanted = {
-        "shard": (dpcp[block * size:(block + 1) * size], index * (n // size) + block, plan.world_size // size),
-        "replicate": (dpcp[column::size], index * size + column, plan.world_size // n * size),
-    }
+    wanted = _fsdp_wanted(plan, state.rank, size)
     # The outer batch reserves both spans; each sort gets its own batch inside it, so the
     # counter moves by the same amount on every rank whichever groups are reused here.
     outer = GroupBatch(timeout=state.timeout, reserve=sum(count for _, _, count in wanted.values()))
     batches: list[Any] = []
     made: dict[str, Any] = {}
-    error: BaseException | None = None
-    try:
-        for sort in ("shard", "replicate"):
-            ranks, i, count = wanted[sort]
-            batch = GroupBatch(timeout=state.timeout, reserve=count)
-            batches.append(batch)
-            existing = _existing_group(state, ranks)
-            made[sort] = existing if existing is not None else batch.create(
-                ranks, index=i, count=count, desc=f"fsdp-{sort}")
-            batch.close()
-        for batch in batches:
-            batch.wait_for_members()
-    except BaseException as exc:  # tell the other ranks before raising, so that they undo theirs
-        error = exc
-    finally:
-        outer.close()
-    try:
-        confirm_everywhere("parallel_state.fsdp_mesh (group creation)", error, timeout=state.timeout)
-    except BaseException as exc:
-        error = error or exc
-    if error is not None:
+
+    def undo() -> None:
         made.clear()
         created = [pg for batch in batches for pg in batch.created]
         for batch in batches:
             batch.created = []
         try:
             destroy_groups(created)
-        except Exception:  # the first error is the one to report
+        except Exception:  # the error that brought us here is the one to report
             pass
+
+    error: Exception | None = None
+    try:
+        for sort in ("shard", "replicate"):
+            ranks, index, count = wanted[sort]
+            batch = GroupBatch(timeout=state.timeout, reserve=count)
+            batches.append(batch)
+            existing = _existing_group(state, ranks)
+            made[sort] = existing if existing is not None else batch.create(
+                ranks, index=index, count=count, desc=f"fsdp-{sort}",
+                all_groups=lambda sort=sort: _world_fsdp_groups(plan, size, sort))
+            batch.close()
+        for batch in batches:
+            batch.wait_for_members()
+    except Exception as exc:  # tell the other ranks before raising, so that they undo theirs
+        error = exc
+    except BaseException:  # an interrupt: undo here, and no collective on the way out
+        outer.close()
+        undo()
+        raise
+    outer.close()
+    try:
+        confirm_everywhere("parallel_state.fsdp_mesh (group creation)", error, timeout=state.timeout)
+    except BaseException:
+        undo()
+        raise
+    if error is not None:
+        undo()
         raise error
     for batch in batches:
         _created.extend(batch.created)

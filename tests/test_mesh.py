@@ -335,6 +335,20 @@ def test_every_order_is_a_product_grid():
                 assert lines[dim] == list(plan.group_ranks(dim, rank)), (plan, rank, dim)
 
 
+def test_fsdp_group_indices_agree_on_every_member():
+    # Members name a new group by its index among the world's groups of its sort: every member must
+    # compute the same index, and the all-ranks (eager NCCL) enumeration must put the group there.
+    for world, sizes in ((24, dict(tp=2, cp=3, pp=2)), (16, dict(cp=2, pp=2, order="tp-dp-cp-pp")), (8, {})):
+        plan = TopologyPlan(world, **sizes)
+        n = plan.group_size("dp-cp")
+        for size in (s for s in range(1, n + 1) if n % s == 0):
+            every = {sort: list(mesh_module._world_fsdp_groups(plan, size, sort)) for sort in ("shard", "replicate")}
+            for rank in range(world):
+                for sort, (ranks, index, count) in mesh_module._fsdp_wanted(plan, rank, size).items():
+                    assert count == len(every[sort]) and every[sort][index] == ranks, (plan, size, rank, sort)
+                    assert all(mesh_module._fsdp_wanted(plan, m, size)[sort][1] == index for m in ranks)
+
+
 def test_device_mesh_is_the_plan_over_the_live_groups(pools):
     results = pools(8).run(case_device_mesh, ORDERS_8, timeout=120)
     for rank, out in enumerate(results):
