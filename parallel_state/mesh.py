@@ -24,13 +24,16 @@ raises ParallelStateError. torch is imported only when a mesh is asked for.
 from __future__ import annotations
 
 import operator
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from parallel_state import state as _st
 from parallel_state.errors import ParallelStateError, ParallelStateTypeError
 
-#: The dimensions of ``device_mesh()``, outermost first: Megatron's layout read from the slowest
-#: dimension of its default order (pp) to the fastest (tp).
+if TYPE_CHECKING:  # only for annotations: importing parallel_state must not import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+#: The dimensions of ``device_mesh()``, outermost first: megatron-core's default order read from its
+#: slowest dimension (pp) to its fastest (tp), so with that order the mesh is arange(world) reshaped.
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 #: The dimensions of ``fsdp_mesh()``, in the order FSDP2 reads a 2-D mesh (replicate, shard).
 FSDP_DIMS: tuple[str, str] = ("replicate", "shard")
@@ -127,7 +130,7 @@ def _check_lines(what: str, mesh: Any, rank: int, coords: tuple[int, ...], dims:
             )
 
 
-def device_mesh(device_type: str | None = None) -> Any:
+def device_mesh(device_type: str | None = None) -> DeviceMesh:
     """The ("pp", "dp", "cp", "tp") DeviceMesh over the live model-parallel groups (built once, cached).
 
     ``mesh.get_group("cp")`` is ``get_context_parallel_group()``, and likewise for every
@@ -205,7 +208,7 @@ def _is_int(value: object) -> bool:
     return True
 
 
-def fsdp_mesh(shard_size: int | None = None, *, device_type: str | None = None) -> Any:
+def fsdp_mesh(shard_size: int | None = None, *, device_type: str | None = None) -> DeviceMesh:
     """The 2-D ("replicate", "shard") DeviceMesh for FSDP2 over this rank's data-parallel x context-parallel ranks.
 
     Shard groups are contiguous blocks of ``shard_size`` ranks of the dp-cp group, in its order
