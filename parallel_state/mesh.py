@@ -64,11 +64,6 @@ def _live_state(what: str) -> Any:
         )
     if _owner is not None and _owner is not state:
         _drop()  # teardown always runs the hook; this guards against a state swapped in by other means
-    if state.plan.ep != 1:
-        raise ParallelStateError(
-            f"{what} has no expert-parallel dimension, but the plan has ep={state.plan.ep}; "
-            f"build the mesh from megatron-core's groups for expert parallelism"
-        )
     return state
 
 
@@ -94,12 +89,20 @@ def _mesh_tensor(plan: Any) -> Any:
     """Every rank of the world at index [pp][dp][cp][tp] of its plan coordinates."""
     import torch
 
+    sizes = {"pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "tp": plan.tp}
+    if sizes["pp"] * sizes["dp"] * sizes["cp"] * sizes["tp"] != plan.world_size:
+        raise ParallelStateError(
+            f"pp*dp*cp*tp = {plan.pp}*{plan.dp}*{plan.cp}*{plan.tp} does not cover the world of {plan.world_size} "
+            f"ranks (order {plan.order!r}), so the model-parallel layout is not one (pp, dp, cp, tp) grid; "
+            f"build the mesh you need with DeviceMesh.from_group"
+        )
     # rank = sum(coord[d] * stride[d]) with the first dimension of the order fastest, so
     # arange(world) viewed with the order reversed is indexed by coordinates; permute to ours.
-    layout = list(reversed(plan.dims))
-    grid = torch.arange(plan.world_size, dtype=torch.int).reshape([plan.size(d) for d in layout])
-    grid = grid.permute([layout.index(d) for d in (*MESH_DIMS, "ep")])
-    return grid.reshape([plan.size(d) for d in MESH_DIMS]).contiguous()  # drops ep (size 1)
+    # Any other token of the order (ep) has size 1 in this layout: expert parallelism, where the
+    # core has it, lays out a grid of its own.
+    layout = [d for d in reversed(plan.dims) if d in sizes]
+    grid = torch.arange(plan.world_size, dtype=torch.int).reshape([sizes[d] for d in layout])
+    return grid.permute([layout.index(d) for d in MESH_DIMS]).contiguous()
 
 
 def _check_lines(what: str, mesh: Any, rank: int, coords: tuple[int, ...], dims: tuple[str, ...],
