@@ -23,7 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TIMEOUT = datetime.timedelta(seconds=30)
 MESH_DIMS = ("pp", "dp", "cp", "tp")
-ORDERS_8 = ("tp-cp-ep-dp-pp", "pp-dp-tp-cp", "cp-pp-tp-dp")
+#: (order, expert-parallel size): the mesh is the decoder grid's, with or without experts.
+ORDERS_8 = (("tp-cp-ep-dp-pp", 1), ("pp-dp-tp-cp", 1), ("cp-pp-tp-dp", 1), ("tp-cp-ep-dp-pp", 2))
 
 
 # --- helpers that run on the ranks ----------------------------------------------------------
@@ -42,9 +43,10 @@ def _registry():
             "pg_coalesce_state": len(w.pg_coalesce_state)}
 
 
-def _init(tp=1, cp=1, pp=1, order="tp-cp-ep-dp-pp"):
+def _init(tp=1, cp=1, pp=1, order="tp-cp-ep-dp-pp", ep=1):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                 pipeline_model_parallel_size=pp, order=order, timeout=TIMEOUT)
+                                 pipeline_model_parallel_size=pp, order=order, timeout=TIMEOUT,
+                                 expert_model_parallel_size=ep)
 
 
 def _ranks(group):
@@ -84,8 +86,8 @@ def case_device_mesh(orders):
     out = {"before_init": [_raises(ps.device_mesh), _raises(ps.fsdp_mesh)]}
     accessors = {"pp": ps.get_pipeline_model_parallel_group, "dp": ps.get_data_parallel_group,
                  "cp": ps.get_context_parallel_group, "tp": ps.get_tensor_model_parallel_group}
-    for order in orders:
-        _init(tp=2, cp=2, pp=2, order=order)
+    for order, ep in orders:
+        _init(tp=2, cp=2, pp=2, order=order, ep=ep)
         groups_before = _registry()
         mesh = ps.device_mesh()
         r = {"no_new_group": _registry() == groups_before, "names": mesh.mesh_dim_names,
@@ -103,7 +105,7 @@ def case_device_mesh(orders):
         ps.destroy_model_parallel()
         r["dead"] = _dead_uses(mesh, sub)
         r["after_destroy"] = _raises(ps.device_mesh)
-        out[order] = r
+        out[f"{order} ep{ep}"] = r
     return out
 
 
@@ -321,8 +323,10 @@ def test_every_order_is_a_product_grid():
     # Every order of the four dimensions of size > 1 (ep has size 1: where it sits changes nothing).
     # The mesh is checked against the coordinates rank by rank, and each of its lines against the plan's group.
     world, sizes = 24, dict(tp=2, cp=3, pp=2)
-    for perm in itertools.permutations(("tp", "cp", "dp", "pp")):
-        plan = TopologyPlan(world, order="-".join((*perm[:2], "ep", *perm[2:])), **sizes)
+    orders = ["-".join((*perm[:2], "ep", *perm[2:])) for perm in itertools.permutations(("tp", "cp", "dp", "pp"))]
+    # With experts, ep sizes the expert grid only: the decoder's (pp, dp, cp, tp) grid is unchanged.
+    for order, ep in [(o, 1) for o in orders] + [("tp-cp-ep-dp-pp", 2), ("tp-cp-ep-dp-pp", 3)]:
+        plan = TopologyPlan(world, order=order, ep=ep, **sizes)
         tensor = mesh_module._mesh_tensor(plan)
         grid = tensor.tolist()
         assert grid == _expected_tensor(plan), plan
@@ -354,9 +358,9 @@ def test_device_mesh_is_the_plan_over_the_live_groups(pools):
     for rank, out in enumerate(results):
         for name, err in zip(("device_mesh", "fsdp_mesh"), out["before_init"], strict=True):
             assert err[0] == "ParallelStateError" and "initialize_model_parallel" in err[1], (name, err)
-        for order in ORDERS_8:
-            r = out[order]
-            plan = TopologyPlan(8, tp=2, cp=2, pp=2, order=order)
+        for order, ep in ORDERS_8:
+            r = out[f"{order} ep{ep}"]
+            plan = TopologyPlan(8, tp=2, cp=2, pp=2, ep=ep, order=order)
             assert r["no_new_group"] and r["cached"], (rank, order)
             assert r["names"] == MESH_DIMS and r["device_type"] == "cpu" and r["shape"] == (2, 1, 2, 2)
             assert r["tensor"] == _expected_tensor(plan), (order, r["tensor"])
