@@ -120,6 +120,7 @@ from parallel_state.memory import (  # noqa: F401
     get_global_memory_buffer,
     get_global_symmetric_memory_buffer,
 )
+from parallel_state.mesh import device_mesh, fsdp_mesh  # noqa: F401
 from parallel_state.nccl import get_nccl_options, overwrite_nccl_comm_cfgs  # noqa: F401
 from parallel_state.plan import (  # noqa: F401
     DEFAULT_ORDER,
