@@ -123,8 +123,8 @@ def _unbridge() -> None:
 
 def _routed_megatron_destroy() -> None:
     """megatron-core's destroy_model_parallel while bridged: tear down once, through parallel_state."""
-    from parallel_state.initialize import destroy_model_parallel
-
-    destroy_model_parallel()
+    # The state's own teardown (what destroy_model_parallel runs), so the bridge needs nothing of
+    # initialize, which imports the bridge.
+    _st.teardown()
     if _megatron_destroy is not None:
         _megatron_destroy()  # resets megatron-core's other globals; the gloo ones are None by now

@@ -90,6 +90,10 @@ def _attempt(fn, *args, **kwargs):
 
 # --- 1. cross-rank consistency --------------------------------------------------------------
 
+def _stray_embedding_ranks(ranks, vp=None):
+    return [99]
+
+
 def case_mismatch(odd_rank, odd_kwargs, kwargs):
     import torch.distributed as dist
 
@@ -110,7 +114,14 @@ def case_mismatch(odd_rank, odd_kwargs, kwargs):
     (dict(context_parallel_size=2, order="tp-cp-pp-dp"), dict(context_parallel_size=2),
      ["order='tp-cp-ep-dp-pp'", "order='tp-cp-pp-dp-ep'"]),
     (dict(create_gloo_process_groups=False), dict(), ["create_gloo_process_groups=False"]),
-], ids=["cp", "str-size", "order", "gloo-flag"])
+    (dict(expert_model_parallel_size=4), dict(expert_model_parallel_size=2),
+     ["ranks 0-2 passed expert_model_parallel_size=2", "rank 3 passed expert_model_parallel_size=4"]),
+    (dict(cp_size=2, hierarchical_context_parallel_sizes=[1, 2]),
+     dict(cp_size=2, hierarchical_context_parallel_sizes=[2, 1]), ["hierarchical_context_parallel_sizes=[1, 2]"]),
+    (dict(num_distributed_optimizer_instances=2), dict(), ["num_distributed_optimizer_instances=2"]),
+    (dict(pp_size=2, get_embedding_ranks=_stray_embedding_ranks), dict(pp_size=2),
+     ["get_embedding_ranks='test_reliability._stray_embedding_ranks'"]),
+], ids=["cp", "str-size", "order", "gloo-flag", "ep", "hierarchical", "instances", "embedding-ranks"])
 def test_a_mismatch_raises_on_every_rank_naming_ranks_and_values(pools, odd, kwargs, expected):
     results = pools(4).run(case_mismatch, 3, odd, kwargs)
     for rank, out in enumerate(results):
@@ -293,10 +304,6 @@ def test_a_dead_rank_fails_the_others_within_the_timeout_and_they_shut_down_clea
 
 
 # --- 3. bad inputs: every public function, with the documented error ------------------------
-
-def _stray_embedding_ranks(ranks, vp=None):
-    return [99]
-
 
 NO_NCCL_BACKEND = next((b for b in ("nccl", "ucc") if not __import__("torch").distributed.is_backend_available(b)), None)
 
