@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import inspect
-import subprocess
 import sys
-import time
 from typing import Any, Callable
 
-from benchmarks.harness import ROOT, emit, parse, ratio, table, worker_env
+from benchmarks.harness import emit, parse, ratio, run_ranks, table
 
 #: A row: (accessor name, keyword arguments), named as the table shows it.
 Row = tuple[str, dict[str, Any]]
@@ -118,40 +116,11 @@ def run_world(world: int, cp: int, pp: int, rows: list[Row], calls: int, repeat:
     """Start ``world`` rank processes and return rank 0's figures."""
     import json
 
-    import torch.distributed as dist
 
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=timeout))
-    env = worker_env({"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.bench_accessors", "--worker", "--rank", str(r), "--world", str(world),
-             "--port", str(server.port), "--cp", str(cp), "--pp", str(pp), "--calls", str(calls),
-             "--repeat", str(repeat), "--rows", json.dumps(rows)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for r in range(world)
-    ]
-    deadline = time.monotonic() + timeout
-    outputs: list[tuple[str, str]] = []
-    try:
-        for r, proc in enumerate(procs):
-            try:
-                outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"rank {r} did not finish within {timeout:.0f} s") from None
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        del server
-    failed = [r for r, proc in enumerate(procs) if proc.returncode != 0]
-    if failed:
-        detail = "\n".join(f"--- rank {r} (exit status {procs[r].returncode}):\n{outputs[r][1][-1500:]}"
-                           for r in failed)
-        raise RuntimeError(f"rank(s) {failed} failed\n{detail}")
-    return parse(outputs[0][0], "bench_accessors rank 0")
+    outputs = run_ranks("benchmarks.bench_accessors", world, lambda r: [
+        "--worker", "--rank", str(r), "--world", str(world), "--cp", str(cp), "--pp", str(pp), "--calls", str(calls),
+        "--repeat", str(repeat), "--rows", json.dumps(rows)], timeout=timeout, what="bench_accessors")
+    return parse(outputs[0], "bench_accessors rank 0")
 
 
 def main(argv: list[str] | None = None) -> int:

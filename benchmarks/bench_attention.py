@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from typing import Any
 
-from benchmarks.harness import table
+from benchmarks.harness import spawn_ranks, table
 
 LATENT = (1, 16, 8, 32, 32)
 PATCH = (1, 2, 2)
@@ -111,37 +109,7 @@ def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[st
 
 def run(world: int, opts: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
     """Start ``world`` ranks, measure, and return rank 0's figures."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    with tempfile.TemporaryDirectory(prefix="bench_attention-") as tmp:
-        store = os.path.join(tmp, "store")
-        procs, conns = [], []
-        for rank in range(world):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(rank, world, store, opts, child), daemon=True)
-            proc.start()
-            child.close()
-            procs.append(proc)
-            conns.append(parent)
-        try:
-            deadline = time.monotonic() + timeout
-            results = []
-            for rank, conn in enumerate(conns):
-                if not conn.poll(max(0.0, deadline - time.monotonic())):
-                    raise TimeoutError(f"rank {rank} did not finish within {timeout:.0f} s")
-                status, value = conn.recv()
-                if status != "ok":
-                    raise RuntimeError(f"rank {rank} failed: {value}")
-                results.append(value)
-            return results[0]
-        finally:
-            for proc in procs:
-                proc.join(10)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(5)
+    return spawn_ranks(_rank_main, world, opts, timeout=timeout, prefix="bench_attention")
 
 
 def single_process_ms(reps: int, threads: int) -> float:

@@ -18,11 +18,12 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from functools import partial
 from typing import Any
+
+from benchmarks.harness import spawn_ranks
 
 DEFAULT_SHAPE = (1, 16, 32, 88, 160)
 MAIN_DIM = 2
@@ -129,37 +130,7 @@ def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> list[di
 
 def run(opts: dict[str, Any], world: int = 2, timeout: float = 300.0) -> list[dict[str, Any]]:
     """Start ``world`` ranks, measure, and return rank 0's rows."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    with tempfile.TemporaryDirectory(prefix="bench_cp-") as tmp:
-        store = os.path.join(tmp, "store")
-        procs, conns = [], []
-        for rank in range(world):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(rank, world, store, opts, child), daemon=True)
-            proc.start()
-            child.close()
-            procs.append(proc)
-            conns.append(parent)
-        try:
-            deadline = time.monotonic() + timeout
-            results = []
-            for rank, conn in enumerate(conns):
-                if not conn.poll(max(0.0, deadline - time.monotonic())):
-                    raise TimeoutError(f"rank {rank} did not finish within {timeout:.0f} s")
-                status, value = conn.recv()
-                if status != "ok":
-                    raise RuntimeError(f"rank {rank} failed: {value}")
-                results.append(value)
-            return results[0]
-        finally:
-            for proc in procs:
-                proc.join(10)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(5)
+    return spawn_ranks(_rank_main, world, opts, timeout=timeout, prefix="bench_cp")
 
 
 def _machine() -> str:

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import subprocess
 import sys
 import time
 from typing import Any
 
-from benchmarks.harness import ROOT, emit, median, parse, ratio, table, worker_env
+from benchmarks.harness import emit, median, parse, ratio, run_ranks, table
 
 IMPLS = ("parallel_state", "megatron-core")
 MODES = {"defaults": {}, "create_gloo_process_groups=False": {"create_gloo_process_groups": False}}
@@ -57,41 +56,11 @@ def _worker(impl: str, mode: str, rank: int, world: int, port: int, cp: int, pp:
 
 def run_world(impl: str, mode: str, world: int, cp: int, pp: int, cycles: int, timeout: float) -> list[dict[str, Any]]:
     """Start ``world`` rank processes for ``impl`` and return every rank's result."""
-    import torch.distributed as dist
 
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=timeout))
-    env = worker_env({"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.bench_gloo", "--worker", impl, "--mode", mode, "--rank", str(r),
-             "--world", str(world), "--port", str(server.port), "--cp", str(cp), "--pp", str(pp),
-             "--cycles", str(cycles)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for r in range(world)
-    ]
-    deadline = time.monotonic() + timeout
-    outputs: list[tuple[str, str]] = []
-    try:
-        for r, proc in enumerate(procs):
-            try:
-                outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"{impl} rank {r} did not finish within {timeout:.0f} s") from None
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        del server
-    failed = [r for r, proc in enumerate(procs) if proc.returncode != 0]
-    if failed:
-        # Show every failing rank: the first to fail is rarely rank 0, whose error is then a lost peer.
-        detail = "\n".join(f"--- rank {r} (exit status {procs[r].returncode}):\n{outputs[r][1][-1500:]}"
-                           for r in failed)
-        raise RuntimeError(f"{impl}: rank(s) {failed} failed\n{detail}")
-    return [parse(out, f"bench_gloo {impl} rank {r}") for r, (out, _) in enumerate(outputs)]
+    outputs = run_ranks("benchmarks.bench_gloo", world, lambda r: [
+        "--worker", impl, "--mode", mode, "--rank", str(r), "--world", str(world), "--cp", str(cp), "--pp", str(pp),
+        "--cycles", str(cycles)], timeout=timeout, what=f"bench_gloo {impl}")
+    return [parse(out, f"bench_gloo {impl} rank {r}") for r, out in enumerate(outputs)]
 
 
 def main(argv: list[str] | None = None) -> int:

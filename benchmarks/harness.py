@@ -9,7 +9,7 @@ import statistics
 import subprocess
 import sys
 from importlib import metadata
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 #: The repository root: benchmarks run the packages of this checkout, not an installed copy.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,6 +70,88 @@ def run_worker(args: Sequence[str], *, timeout: float, what: str) -> Any:
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed with exit status {proc.returncode}:\n{proc.stderr[-3000:]}")
     return parse(proc.stdout, what)
+
+
+def run_ranks(module: str, world: int, rank_args: Callable[[int], Sequence[str]], *, timeout: float,
+              what: str) -> list[str]:
+    """Run ``python -m MODULE ARGS(rank)`` for every rank on 127.0.0.1 and return each one's stdout.
+
+    The ranks rendezvous through a TCPStore this process serves on a free port, passed as
+    ``--port``. Every failing rank's stderr is shown: the first to fail is rarely rank 0, whose
+    error is then a lost peer.
+    """
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=timeout))
+    env = worker_env({"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+    procs = [subprocess.Popen([sys.executable, "-m", module, *rank_args(r), "--port", str(server.port)], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    deadline = time.monotonic() + timeout
+    outputs: list[tuple[str, str]] = []
+    try:
+        for r, proc in enumerate(procs):
+            try:
+                outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"{what}: rank {r} did not finish within {timeout:.0f} s") from None
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        del server
+    failed = [r for r, proc in enumerate(procs) if proc.returncode != 0]
+    if failed:
+        detail = "\n".join(f"--- rank {r} (exit status {procs[r].returncode}):\n{outputs[r][1][-1500:]}"
+                           for r in failed)
+        raise RuntimeError(f"{what}: rank(s) {failed} failed\n{detail}")
+    return [out for out, _ in outputs]
+
+
+def spawn_ranks(target: Callable[..., Any], world: int, opts: dict[str, Any], *, timeout: float, prefix: str) -> Any:
+    """Start ``target(rank, world, store_path, opts, conn)`` in ``world`` spawned processes; rank 0's reply.
+
+    Each rank sends ``("ok", value)`` or ``("err", text)`` on ``conn``; they rendezvous through
+    a FileStore at ``store_path``.
+    """
+    import multiprocessing as mp
+    import tempfile
+    import time
+
+    ctx = mp.get_context("spawn")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    with tempfile.TemporaryDirectory(prefix=f"{prefix}-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs, conns = [], []
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=target, args=(rank, world, store, opts, child), daemon=True)
+            proc.start()
+            child.close()
+            procs.append(proc)
+            conns.append(parent)
+        try:
+            deadline = time.monotonic() + timeout
+            results = []
+            for rank, conn in enumerate(conns):
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"rank {rank} did not finish within {timeout:.0f} s")
+                status, value = conn.recv()
+                if status != "ok":
+                    raise RuntimeError(f"rank {rank} failed: {value}")
+                results.append(value)
+            return results[0]
+        finally:
+            for proc in procs:
+                proc.join(10)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
 
 
 def median(values: Sequence[float]) -> float:

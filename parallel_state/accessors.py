@@ -14,33 +14,42 @@ from typing import Any, Callable
 from parallel_state import state as _st
 from parallel_state.answers import ANSWERS as _A
 from parallel_state.answers import lookup as _lookup
-from parallel_state.answers import missing as _missing
 from parallel_state.arguments import flag, non_negative_int, positive_int
+from parallel_state.compiled import compile_accessor
 from parallel_state.errors import ParallelStateAssertionError
+
+#: reference accessor -> its fast path (argument values -> answer key), compiled at the end of the module.
+_FAST: dict[Callable[..., Any], dict[tuple[tuple[str, Any], ...], str]] = {}
+_CP = (("with_context_parallel", True),)
+
+
+def _fast(fn: Callable[..., Any], **variants: str) -> Callable[..., Any]:
+    """Record ``fn``'s fast path: ``default=KEY`` for its default arguments; ``cp``, ``cp_partial``,
+    ``cp_all_gather``, ``partial``, ``tp_only``, ``cp_tp_only`` for those flags turned on."""
+    flags = {"default": (), "cp": _CP, "cp_partial": _CP + (("partial_data_parallel", True),),
+             "cp_all_gather": _CP + (("independent_all_gather", True),),
+             "partial": (("partial_expert_data_parallel", True),), "tp_only": (("tp_only_amax_red", True),),
+             "cp_tp_only": _CP + (("tp_only_amax_red", True),)}
+    _FAST[fn] = {flags[name]: key for name, key in variants.items()}
+    return fn
 
 
 def _value(key: str, doc: str) -> Callable[[], Any]:
     def get() -> Any:
-        try:
-            return _A[key]
-        except KeyError:
-            return _missing(key)
+        return _lookup(key)
 
     get.__doc__ = doc
-    return get
+    return _fast(get, default=key)
 
 
 def _group(key: str, doc: str) -> Callable[..., Any]:
     def get(check_initialized: bool = True) -> Any:
         if check_initialized is True:
-            try:
-                return _A[key]
-            except KeyError:
-                return _missing(key)
+            return _lookup(key)
         return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
 
     get.__doc__ = doc
-    return get
+    return _fast(get, default=key)
 
 
 def _dp_key(what: str, with_context_parallel: Any, partial_data_parallel: Any) -> str:
@@ -59,14 +68,11 @@ def _dp_number(what: str, doc: str) -> Callable[..., int]:
 
     def get(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
         if with_context_parallel is False and partial_data_parallel is False:
-            try:
-                return _A[key]
-            except KeyError:
-                return _missing(key)
+            return _lookup(key)
         return _lookup(_dp_key(what, with_context_parallel, partial_data_parallel))
 
     get.__doc__ = doc
-    return get
+    return _fast(get, default=key, cp=f"dp-cp.{what}", cp_partial=f"dp-cp-intra.{what}")
 
 
 def _edp_number(what: str, doc: str) -> Callable[..., int]:
@@ -79,7 +85,7 @@ def _edp_number(what: str, doc: str) -> Callable[..., int]:
         return _lookup(f"edp-intra.{what}" if partial else key)
 
     get.__doc__ = doc
-    return get
+    return _fast(get, default=key, partial=f"edp-intra.{what}")
 
 
 def _setter(key: str, param: str) -> Callable[[Any], None]:
@@ -110,7 +116,7 @@ def model_parallel_is_initialized() -> bool:
 def is_unitialized() -> bool:
     """Deprecated megatron-core spelling of ``not is_initialized()``."""
     warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, stacklevel=2)
-    return not is_initialized()
+    return "initialized" not in _A
 
 
 # --- groups ----------------------------------------------------------------------------------
@@ -141,10 +147,7 @@ def get_data_parallel_group(with_context_parallel: bool = False, partial_data_pa
     """This rank's data-parallel group (dp x cp with ``with_context_parallel``; its instance's part, or
     the separate all-gather group, on request)."""
     if with_context_parallel is False and partial_data_parallel is False and independent_all_gather is False:
-        try:
-            return _A["dp.group"]
-        except KeyError:
-            return _missing("dp.group")
+        return _lookup("dp.group")
     cp, partial = flag("with_context_parallel", with_context_parallel), flag("partial_data_parallel", partial_data_parallel)
     if flag("independent_all_gather", independent_all_gather) and cp and not partial:
         return _lookup("dp-cp-ag.group")
@@ -154,6 +157,9 @@ def get_data_parallel_group(with_context_parallel: bool = False, partial_data_pa
 def has_separate_all_gather_group() -> bool:
     """Whether initialize made a separate dp x cp group for all-gathers (create_all_gather_group=True)."""
     return _A.get("dp-cp-ag.group") is not None
+
+
+_fast(has_separate_all_gather_group, default="dp-cp-ag.exists")
 
 
 def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> Any:
@@ -206,6 +212,8 @@ def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = F
     """Deprecated megatron-core name of get_expert_data_parallel_group."""
     warnings.warn("get_data_modulo_expert_parallel_group is deprecated, please use "
                   "get_expert_data_parallel_group instead.", DeprecationWarning, stacklevel=2)
+    if partial_expert_data_parallel is False:
+        return _lookup("edp.group")
     return get_expert_data_parallel_group(partial_expert_data_parallel=partial_expert_data_parallel)
 
 
@@ -286,10 +294,7 @@ def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = 
         vpp = _lookup("vpp.size")
         if vpp is not None and _vp_stage(vp_stage, vpp) != 0:
             return False
-    try:
-        return _A["pp.is_first"]
-    except KeyError:
-        return _missing("pp.is_first")
+    return _lookup("pp.is_first")
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
@@ -298,10 +303,7 @@ def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = N
         vpp = _lookup("vpp.size")
         if vpp is not None and _vp_stage(vp_stage, vpp) != vpp - 1:
             return False
-    try:
-        return _A["pp.is_last"]
-    except KeyError:
-        return _missing("pp.is_last")
+    return _lookup("pp.is_last")
 
 
 def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
@@ -351,6 +353,32 @@ def get_tensor_model_parallel_last_rank(with_context_parallel: bool = False) -> 
     return get_tensor_model_parallel_ranks(with_context_parallel)[-1]
 
 
+for _fn, _variants in {
+    is_initialized: dict(default="initialized"), model_parallel_is_initialized: dict(default="initialized"),
+    get_data_parallel_group: dict(default="dp.group", cp="dp-cp.group", cp_partial="dp-cp-intra.group",
+                                  cp_all_gather="dp-cp-ag.group"),
+    get_data_parallel_group_gloo: dict(default="dp.gloo", cp="dp-cp.gloo", cp_partial="dp-cp-intra.gloo"),
+    get_tensor_and_data_parallel_group: dict(default="tp-dp.group", cp="tp-dp-cp.group"),
+    get_amax_reduction_group: dict(default="tp-dp.group", cp="tp-dp-cp.group", tp_only="tp.group",
+                                   cp_tp_only="tp-cp.group"),
+    get_expert_data_parallel_group: dict(default="edp.group", partial="edp-intra.group"),
+    get_expert_data_parallel_group_gloo: dict(default="edp.gloo", partial="edp-intra.gloo"),
+    get_data_parallel_src_rank: dict(default="dp.src", cp="dp-cp.src"),
+    is_pipeline_first_stage: dict(default="pp.is_first"), is_pipeline_last_stage: dict(default="pp.is_last"),
+    is_rank_in_embedding_group: dict(default="embd.in"), is_rank_in_position_embedding_group: dict(default="pos-embd.in"),
+    get_tp_group: dict(default="tp.group", cp="tp-cp.group"), get_tp_rank: dict(default="tp.rank", cp="tp-cp.rank"),
+    get_tp_world_size: dict(default="tp.size", cp="tp-cp.size"),
+    get_tensor_model_parallel_ranks: dict(default="tp.ranks", cp="tp-cp.ranks"),
+}.items():
+    _fast(_fn, **_variants)
+
+# Every accessor with a fast path is replaced by its compiled twin (same name, parameters, answers).
+for _name, _fn in list(globals().items()):
+    if callable(_fn) and _fn in _FAST:
+        globals()[_name] = compile_accessor(_fn, _FAST[_fn], name=_name)
+del _name, _fn, _variants
+
+# The short names MAGI-1 and WorldFoundry call, for the compiled accessors.
 get_cp_group = get_context_parallel_group
 get_cp_rank = get_context_parallel_rank
 get_cp_world_size = get_context_parallel_world_size

@@ -152,6 +152,7 @@ def compute(state: _st.ParallelState | None, overrides: dict[str, Any]) -> dict[
             out[f"{kind}.rank"] = state.group_rank(kind)
         for kind, group in state.gloo_groups.items():
             out[f"{kind}.gloo"] = group
+        out["dp-cp-ag.exists"] = "dp-cp-ag.group" in out
         out["embd.in"] = "embd.ranks" in out
         out["pos-embd.in"] = "pos-embd.ranks" in out
         levels = [k for k in plan.kinds if k.startswith("cp-l")]
