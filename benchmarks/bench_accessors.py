@@ -4,9 +4,10 @@ Every public ``get_*`` / ``is_*`` function of ``megatron.core.parallel_state`` t
 required argument is timed (plus ``with_context_parallel=True`` for those that take it) after
 each implementation's own ``initialize_model_parallel`` of the same cp x pp topology, in the
 same ``--world`` rank processes: parallel_state first (megatron-core not yet imported, so
-nothing is bridged), then destroy, then megatron-core. Only rank 0 times, while the others
-wait at a barrier, so the ranks do not compete for the cores. A row is the best of
-``--repeat`` runs of ``--calls`` calls, in ns per call (the loop included, equally for both).
+nothing is bridged), then megatron-core's, so that both live side by side. Only rank 0 times,
+while the others wait at a barrier, so the ranks do not compete for the cores; the two
+implementations take turns on each row, so a change of load hits both alike. A row is the best
+of ``--repeat`` runs of ``--calls`` calls, in ns per call (the loop included, equally for both).
 Functions that raise on megatron-core's side in this topology are listed as skipped; names
 parallel_state does not have (yet) are shown as missing.
 """
@@ -52,34 +53,42 @@ def label(row: Row) -> str:
     return name + ("(" + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")" if kwargs else "")
 
 
-def _time(fn: Callable[[], Any], calls: int, repeat: int) -> float:
-    """Best-of-``repeat`` ns per call over ``calls`` calls (garbage collection off, as timeit does)."""
-    import timeit
-
-    return min(timeit.repeat(fn, number=calls, repeat=repeat)) / calls * 1e9
-
-
-def _measure(module: Any, rows: list[Row], calls: int, repeat: int) -> dict[str, Any]:
-    """Each row's ns per call, or why it has none: "missing" or "raises <type>: <message>"."""
+def _call(module: Any, row: Row) -> Callable[[], Any] | str:
+    """The row's call on ``module``, or why there is none: "missing" or "raises <type>: <message>"."""
     import functools
     import warnings
 
-    out: dict[str, Any] = {}
+    name, kwargs = row
+    fn = getattr(module, name, None)
+    if fn is None:
+        return "missing"
+    call = functools.partial(fn, **kwargs)  # both implementations pay the same partial
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            call()
+        except Exception as exc:
+            return f"raises {type(exc).__name__}: {str(exc).splitlines()[0][:70] if str(exc) else ''}"
+    return call
+
+
+def _measure(modules: dict[str, Any], rows: list[Row], calls: int, repeat: int) -> dict[str, dict[str, Any]]:
+    """Each implementation's ns per call for each row (or why it has none), the two taking turns."""
+    import timeit
+    import warnings
+
+    out: dict[str, dict[str, Any]] = {impl: {} for impl in modules}
     for row in rows:
-        name, kwargs = row
-        fn = getattr(module, name, None)
-        if fn is None:
-            out[label(row)] = "missing"
-            continue
-        call = functools.partial(fn, **kwargs)  # both implementations pay the same partial
+        found = {impl: _call(module, row) for impl, module in modules.items()}
+        best = {impl: float("inf") for impl in modules}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # megatron-core warns on every call of its deprecated names
-            try:
-                call()
-            except Exception as exc:
-                out[label(row)] = f"raises {type(exc).__name__}: {str(exc).splitlines()[0][:70] if str(exc) else ''}"
-                continue
-            out[label(row)] = _time(call, calls, repeat)
+            for _ in range(repeat):
+                for impl, call in found.items():
+                    if callable(call):
+                        best[impl] = min(best[impl], timeit.timeit(call, number=calls) / calls * 1e9)
+        for impl, call in found.items():
+            out[impl][label(row)] = best[impl] if callable(call) else call
     return out
 
 
@@ -94,18 +103,18 @@ def _worker(rank: int, world: int, port: int, cp: int, pp: int, rows: list[Row],
     timeout = datetime.timedelta(seconds=300)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-    result = {}
+    modules = {}
     for impl, module_name in (("parallel_state", "parallel_state"), ("megatron-core", "megatron.core.parallel_state")):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ps = importlib.import_module(module_name)
-        ps.initialize_model_parallel(context_parallel_size=cp, pipeline_model_parallel_size=pp,
-                                     distributed_timeout_minutes=5)
-        dist.barrier()
-        if rank == 0:
-            result[impl] = _measure(ps, rows, calls, repeat)
-        dist.barrier()
-        ps.destroy_model_parallel()
+            modules[impl] = importlib.import_module(module_name)
+        modules[impl].initialize_model_parallel(context_parallel_size=cp, pipeline_model_parallel_size=pp,
+                                                distributed_timeout_minutes=5)
+    dist.barrier()
+    result = _measure(modules, rows, calls, repeat) if rank == 0 else {}
+    dist.barrier()
+    for module in modules.values():
+        module.destroy_model_parallel()
     dist.barrier()
     dist.destroy_process_group()
     return result

@@ -31,6 +31,12 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "expert_tensor_parallel_rank": ("etp.rank",),
 }
 
+#: Kinds whose members are picked per pipeline: a rank may be in none of their groups.
+PICKED = ("embd", "pos-embd")
+#: Kinds whose global ranks an accessor or a megatron-core global returns (the rest can hold
+#: thousands of ranks that nobody reads).
+WITH_RANKS = frozenset({"tp", "pp", "cp", "dp", "dp-cp", "tp-pp", "tp-cp", "ep", "embd", "pos-embd"})
+
 #: Ranks and sizes megatron-core reports as 0 while torch.distributed is not initialized.
 ZERO_WITHOUT_DIST = frozenset(f"{kind}.{what}" for kind in (
     "dp", "dp-cp", "dp-cp-intra", "cp", "tp-cp", "ep", "etp-ep", "edp", "edp-intra") for what in ("rank", "size"))
@@ -143,13 +149,13 @@ def compute(state: _st.ParallelState | None, overrides: dict[str, Any]) -> dict[
     if state is not None:
         plan = state.plan
         for kind in plan.kinds:
-            ranks = state.ranks(kind)
-            if not ranks:
+            if kind in PICKED and not state.ranks(kind):
                 continue  # not a member (embedding stages): the group accessors assert, or read None
             out[f"{kind}.group"] = state.groups[kind]
-            out[f"{kind}.ranks"] = list(ranks)
-            out[f"{kind}.size"] = len(ranks)
+            out[f"{kind}.size"] = plan.group_size(kind, state.rank)
             out[f"{kind}.rank"] = state.group_rank(kind)
+            if kind in WITH_RANKS:
+                out[f"{kind}.ranks"] = list(state.ranks(kind))
         for kind, group in state.gloo_groups.items():
             out[f"{kind}.gloo"] = group
         out["dp-cp-ag.exists"] = "dp-cp-ag.group" in out

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateTypeError
-from parallel_state.plan import TopologyPlan
+from parallel_state.plan import GridKind, TopologyPlan
 
 #: The gloo side groups Megatron builds for CPU-side data-parallel work (kinds of the plan).
 GLOO_KINDS: tuple[str, ...] = ("dp-cp", "dp-cp-intra", "dp", "edp", "edp-intra")
@@ -29,14 +29,21 @@ class ParallelState:
     owned: list[Any] = field(default_factory=list)
     virtual_pipeline_size: int | None = None
     virtual_pipeline_rank: int | None = None
+    #: kind -> this rank's group's ranks, computed once (a group can hold thousands of ranks).
+    _ranks: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     def ranks(self, kind: str) -> tuple[int, ...]:
         """Global ranks of this rank's group of ``kind``."""
-        return self.plan.group_ranks(kind, self.rank)
+        ranks = self._ranks.get(kind)
+        if ranks is None:
+            ranks = self._ranks[kind] = self.plan.group_ranks(kind, self.rank)
+        return ranks
 
     def group_rank(self, kind: str) -> int:
-        """This rank's index in its group of ``kind``."""
-        return self.plan.group_rank(kind, self.rank)
+        """This rank's index in its group of ``kind`` (torch numbers members by global rank)."""
+        if isinstance(self.plan.spec(kind), GridKind):
+            return self.plan.group_rank(kind, self.rank)  # arithmetic, no member list
+        return sorted(self.ranks(kind)).index(self.rank)
 
 
 _state: ParallelState | None = None
@@ -138,7 +145,7 @@ def build(
                 continue
             with sharp_enabled(kind == sharp_kind) as enable:
                 state.groups[kind] = by_signature[signature] = enable(_create(
-                    batch, plan, kind, rank, backend=pipeline_backend if kind == "pp" else None,
+                    batch, state, kind, backend=pipeline_backend if kind == "pp" else None,
                     pg_options=nccl_options(kind), desc=kind))
         reuse = dist.get_backend() == "gloo"
         gloo_by_signature: dict[Any, Any] = {}
@@ -151,7 +158,7 @@ def build(
                 batch.skip(plan.num_groups(kind))
             else:
                 state.gloo_groups[kind] = gloo_by_signature[signature] = _create(
-                    batch, plan, kind, rank, backend="gloo", desc=f"{kind}-gloo")
+                    batch, state, kind, backend="gloo", desc=f"{kind}-gloo")
         batch.wait_for_members()
     except BaseException:
         state.groups.clear()  # hand every reference to destroy_groups, which frees the groups
@@ -170,9 +177,10 @@ def build(
     return state
 
 
-def _create(batch: Any, plan: TopologyPlan, kind: str, rank: int, **kwargs: Any) -> Any:
+def _create(batch: Any, state: ParallelState, kind: str, **kwargs: Any) -> Any:
     """This rank's group of ``kind`` (None where it is in none), in the batch's slot for the kind."""
-    return batch.create(plan.group_ranks(kind, rank), index=plan.group_index(kind, rank),
+    plan = state.plan
+    return batch.create(state.ranks(kind), index=plan.group_index(kind, state.rank),
                         count=plan.num_groups(kind), all_groups=lambda: plan.groups(kind), **kwargs)
 
 
