@@ -51,7 +51,9 @@ def compile_accessor(reference: Callable[..., Any], fast: dict[tuple[tuple[str, 
     lines = [f"def {name}({', '.join(f'{p}={params[p].default!r}' for p in params)}):", "    try:"]
     for pairs, key in fast.items():
         values = {p: params[p].default for p in params} | dict(pairs)
-        test = " and ".join(f"{p} is {v!r}" for p, v in values.items())
+        # check_initialized only decides what happens without an answer, which the reference
+        # accessor handles (validating it there): testing it here would only cost time.
+        test = " and ".join(f"{p} is {v!r}" for p, v in values.items() if p != "check_initialized")
         lines += [f"        if {test}:", f"            return {_variable(key)}"] if test else \
             [f"        return {_variable(key)}"]
     lines += ["    except NameError:  # no answer yet: the reference accessor explains", "        pass",

@@ -571,7 +571,7 @@ def _public_accessors():
 def case_accessors_lifecycle():
     import warnings
 
-    out = {"before": {}, "unchecked": {}, "after_destroy": {}}
+    out = {"before": {}, "unchecked": {}, "bad_flag": {}, "after_destroy": {}}
     for name in _public_accessors():
         fn = getattr(ps, name)
         if name in SETTERS:
@@ -583,6 +583,7 @@ def case_accessors_lifecycle():
             out["before"][name] = _attempt(fn)
         if "check_initialized" in inspect.signature(fn).parameters:
             out["unchecked"][name] = _attempt(fn, check_initialized=False)
+            out["bad_flag"][name] = _attempt(fn, check_initialized="yes")[0]
     ps.initialize_model_parallel(cp_size=2, pp_size=2, timeout=SECONDS)
     ps.destroy_model_parallel()
     out["after_destroy"] = {n: _attempt(getattr(ps, n))[0] for n in ("get_context_parallel_group", "get_pp_rank")}
@@ -605,6 +606,9 @@ def test_every_accessor_before_initialize(pools):
             assert "not initialized: call parallel_state.initialize_model_parallel" in error["message"], name
     assert len(out["unchecked"]) >= 8
     assert all(err is None and value is None for err, value in out["unchecked"].values()), out["unchecked"]
+    assert set(out["bad_flag"]) == set(out["unchecked"])
+    assert all(e["is_type"] and "check_initialized must be True or False" in e["message"]
+               for e in out["bad_flag"].values()), out["bad_flag"]
     assert all(e["is_pse"] for e in out["after_destroy"].values())
 
 
@@ -615,7 +619,8 @@ def case_accessor_arguments():
     for name in _public_accessors():
         fn = getattr(ps, name)
         params = inspect.signature(fn).parameters
-        for flag_name in ("with_context_parallel", "check_initialized", "ignore_virtual", "partial_data_parallel",
+        # check_initialized only matters without groups: case_accessors_lifecycle checks it there.
+        for flag_name in ("with_context_parallel", "ignore_virtual", "partial_data_parallel",
                           "independent_all_gather", "tp_only_amax_red", "partial_expert_data_parallel"):
             if flag_name in params:
                 rows[f"{name}({flag_name}='yes')"] = ({flag_name: "yes"}, "is_type", f"{flag_name} must be True or False")
