@@ -115,7 +115,8 @@ def model_parallel_is_initialized() -> bool:
 
 def is_unitialized() -> bool:
     """Deprecated megatron-core spelling of ``not is_initialized()``."""
-    warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, stacklevel=2)
+    # stacklevel 1, as megatron-core: a deeper level walks frames on every call of a hot deprecated name.
+    warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, stacklevel=1)
     return "initialized" not in _A
 
 
@@ -211,7 +212,7 @@ def get_expert_data_parallel_group(check_initialized: bool = True, partial_exper
 def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = False) -> Any:
     """Deprecated megatron-core name of get_expert_data_parallel_group."""
     warnings.warn("get_data_modulo_expert_parallel_group is deprecated, please use "
-                  "get_expert_data_parallel_group instead.", DeprecationWarning, stacklevel=2)
+                  "get_expert_data_parallel_group instead.", DeprecationWarning, stacklevel=1)
     if partial_expert_data_parallel is False:
         return _lookup("edp.group")
     return get_expert_data_parallel_group(partial_expert_data_parallel=partial_expert_data_parallel)

@@ -3,7 +3,7 @@
 An accessor runs per layer and per micro-batch. ``compile_accessor`` turns a reference accessor
 (``accessors.py``, which holds the semantics: validation, errors, megatron-core's fallbacks) into
 a function with the same name, parameters, defaults and docstring whose body first tests the
-common argument values (each ``is True`` / ``is False`` / ``is None``) and returns the
+common argument values (``is True`` / ``is None``, or a false flag by truth) and returns the
 precomputed answer for them, read as a global of a namespace the answers refresh writes into.
 An answer that is not there (nothing initialized, a kind not built) is absent from the
 namespace, so the read raises NameError, and that, like any other argument values, goes to the
@@ -52,8 +52,12 @@ def compile_accessor(reference: Callable[..., Any], fast: dict[tuple[tuple[str, 
     for pairs, key in fast.items():
         values = {p: params[p].default for p in params} | dict(pairs)
         # check_initialized only decides what happens without an answer, which the reference
-        # accessor handles (validating it there): testing it here would only cost time.
-        test = " and ".join(f"{p} is {v!r}" for p, v in values.items() if p != "check_initialized")
+        # accessor handles (validating it there): testing it here would only cost time. A flag
+        # that defaults to False is tested by truth, as megatron-core does (a bool's truth test is
+        # one instruction, `is False` three): any false value means False there too, and a true
+        # value other than True still reaches the reference accessor, which rejects it.
+        test = " and ".join(f"not {p}" if v is False and params[p].default is False else f"{p} is {v!r}"
+                            for p, v in values.items() if p != "check_initialized")
         lines += [f"        if {test}:", f"            return {_variable(key)}"] if test else \
             [f"        return {_variable(key)}"]
     lines += ["    except NameError:  # no answer yet: the reference accessor explains", "        pass",
