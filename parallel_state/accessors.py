@@ -115,8 +115,8 @@ def model_parallel_is_initialized() -> bool:
 
 def is_unitialized() -> bool:
     """Deprecated megatron-core spelling of ``not is_initialized()``."""
-    # stacklevel 1, as megatron-core: a deeper level walks frames on every call of a hot deprecated name.
-    warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, stacklevel=1)
+    # Level 1, as megatron-core: a deeper level walks frames on every call of a hot deprecated name.
+    warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, 1)
     return "initialized" not in _A
 
 
@@ -212,9 +212,12 @@ def get_expert_data_parallel_group(check_initialized: bool = True, partial_exper
 def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = False) -> Any:
     """Deprecated megatron-core name of get_expert_data_parallel_group."""
     warnings.warn("get_data_modulo_expert_parallel_group is deprecated, please use "
-                  "get_expert_data_parallel_group instead.", DeprecationWarning, stacklevel=1)
-    if partial_expert_data_parallel is False:
-        return _lookup("edp.group")
+                  "get_expert_data_parallel_group instead.", DeprecationWarning, 1)
+    if not partial_expert_data_parallel:
+        try:
+            return _A["edp.group"]
+        except KeyError:
+            pass
     return get_expert_data_parallel_group(partial_expert_data_parallel=partial_expert_data_parallel)
 
 
