@@ -114,7 +114,7 @@ def _unbridge() -> None:
         for name, value in _written.items():
             # Only what still holds our value: megatron-core may have been reset meanwhile.
             if value is not None and getattr(mps, name, None) is value:
-                setattr(mps, name, EMPTY.get(name))
+                setattr(mps, name, EMPTY[name]() if name in EMPTY else None)
         if _megatron_destroy is not None and mps.destroy_model_parallel is _routed_megatron_destroy:
             mps.destroy_model_parallel = _megatron_destroy
     _written.clear()

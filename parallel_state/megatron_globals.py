@@ -8,7 +8,7 @@ the same values into megatron-core's module.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from parallel_state import state as _st
 from parallel_state.answers import ANSWERS, OVERRIDES
@@ -60,8 +60,9 @@ FROM_OVERRIDES: dict[str, str] = {
     f"_MPU_{key.upper()}": key for key in OVERRIDES if not key.startswith("virtual")
 }
 
-#: What megatron-core holds in a global while nothing is initialized (None unless listed).
-EMPTY: dict[str, Any] = {"_HYBRID_DP_CP_GROUPS": {}}
+#: What megatron-core holds in a global while nothing is initialized (None unless listed): a
+#: factory, since megatron-core fills that dict in place and a shared one would keep its groups.
+EMPTY: dict[str, Callable[[], Any]] = {"_HYBRID_DP_CP_GROUPS": dict}
 
 
 def _process_group_list() -> list[Any] | None:

@@ -67,18 +67,18 @@ def stray_free_embedding_ranks(pp_ranks, vp=None):
     return list(pp_ranks[:2])
 
 
-TOPOLOGIES = {
+TOPOLOGIES = {  # each row exercises several features, so that megatron-core's slow initialize runs few times
     "tp2-cp2-pp2-vpp": dict(tensor_model_parallel_size=2, context_parallel_size=2, pipeline_model_parallel_size=2,
                             virtual_pipeline_model_parallel_size=2),
-    "ep2-cp2-pp2": dict(context_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2),
     "tp2-etp1-ep4-pp2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                              expert_model_parallel_size=4, expert_tensor_parallel_size=1),
-    "hierarchical-cp4": dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2]),
-    "two-optimizer-instances": dict(context_parallel_size=2, pipeline_model_parallel_size=2,
-                                    num_distributed_optimizer_instances=2),
-    "embedding-pp4": dict(pipeline_model_parallel_size=4, get_embedding_ranks=stray_free_embedding_ranks),
-    "order-tp-pp-dp": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, order="tp-pp-dp"),
-    "hybrid-all-gather": dict(context_parallel_size=2, hybrid_context_parallel=True, create_all_gather_group=True),
+    "hierarchical-cp4-ep4": dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2],
+                                 expert_model_parallel_size=4),
+    "ep2-cp2-pp2-two-instances-hybrid-all-gather": dict(
+        context_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2,
+        num_distributed_optimizer_instances=2, hybrid_context_parallel=True, create_all_gather_group=True),
+    "embedding-pp4-order-tp-pp-dp": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
+                                         order="tp-pp-dp", get_embedding_ranks=stray_free_embedding_ranks),
 }
 
 
