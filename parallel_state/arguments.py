@@ -88,14 +88,19 @@ def timeout_of(timeout: object, minutes: object) -> datetime.timedelta:
         raise ParallelStateError(f"distributed_timeout_minutes must be a positive number, got {minutes!r}")
     if timeout is None:
         return datetime.timedelta(minutes=minutes)
-    if not isinstance(timeout, datetime.timedelta):
+    return positive_timedelta("timeout", timeout)
+
+
+def positive_timedelta(name: str, value: object) -> datetime.timedelta:
+    """``value`` as a positive datetime.timedelta, or an error that names ``name``."""
+    if not isinstance(value, datetime.timedelta):
         raise ParallelStateTypeError(
-            f"timeout must be a positive datetime.timedelta such as datetime.timedelta(seconds=30), "
-            f"got {timeout!r} ({_type_name(timeout)})"
+            f"{name} must be a positive datetime.timedelta such as datetime.timedelta(seconds=30), "
+            f"got {value!r} ({_type_name(value)})"
         )
-    if timeout.total_seconds() <= 0:
-        raise ParallelStateError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
-    return timeout
+    if value.total_seconds() <= 0:
+        raise ParallelStateError(f"{name} must be a positive datetime.timedelta, got {value!r}")
+    return value
 
 
 def optional_callable(name: str, value: Any) -> Any:

@@ -17,7 +17,7 @@ import operator
 import os
 from typing import Any, Iterable, Sequence
 
-from parallel_state.arguments import flag, is_int, optional_str
+from parallel_state.arguments import flag, is_int, optional_str, positive_timedelta
 from parallel_state.errors import ParallelStateError, ParallelStateTypeError, ParallelStateValueError
 
 #: The groups ``update_pg_timeout`` updates when given no group; None stands for the default
@@ -37,16 +37,7 @@ def _dist() -> Any:
 
 
 def _optional_timeout(timeout: object) -> datetime.timedelta | None:
-    if timeout is None:
-        return None
-    if not isinstance(timeout, datetime.timedelta):
-        raise ParallelStateTypeError(
-            f"timeout must be a datetime.timedelta such as datetime.timedelta(minutes=10) or None, "
-            f"got {timeout!r} ({type(timeout).__name__})"
-        )
-    if timeout.total_seconds() <= 0:
-        raise ParallelStateError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
-    return timeout
+    return None if timeout is None else positive_timedelta("timeout", timeout)
 
 
 def _group_members(ranks: object, world_size: int) -> list[int]:
@@ -147,13 +138,7 @@ def update_pg_timeout(timeout: datetime.timedelta, pg: Any = None) -> None:
     barrier on ``pg``, and synchronizes CUDA when this process uses it, so no operation in
     flight runs under a changed timeout.
     """
-    if not isinstance(timeout, datetime.timedelta):
-        raise ParallelStateTypeError(
-            f"timeout must be a datetime.timedelta such as datetime.timedelta(minutes=10), "
-            f"got {timeout!r} ({type(timeout).__name__})"
-        )
-    if timeout.total_seconds() <= 0:
-        raise ParallelStateError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+    positive_timedelta("timeout", timeout)
     dist = _dist()
     c10d = dist.distributed_c10d
     set_timeout = getattr(c10d, "_set_pg_timeout", None)

@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 
 import pytest
 import torch
 
 import cp
-import parallel_state as ps
+from cpgroups import cp_groups
 
 ENV = "PARALLEL_STATE_DEBUG"
 
 
 # ---------------------------------------------------------------- helpers run on every rank
-
-def _groups():
-    """The world, and on 4 ranks also CP groups of 2 with non-adjacent members: (0, 2) and (1, 3)."""
-    import torch.distributed as dist
-
-    groups = [dist.group.WORLD]
-    if dist.get_world_size() == 4:
-        ps.initialize_model_parallel(context_parallel_size=2, order="tp-dp-cp-pp",
-                                     timeout=datetime.timedelta(seconds=30))
-        groups.append(ps.get_context_parallel_group())
-    return groups
-
 
 def _data(shape, dtype=torch.float32, seed=0):
     """The same tensor on every rank."""
@@ -69,7 +56,7 @@ LAYOUTS = [
 
 def case_round_trip():
     checks = 0
-    for g in _groups():
+    for g in cp_groups():
         n, r = g.size(), g.rank()
         for i, (shape, s, h, dtype) in enumerate(LAYOUTS):
             full = _data(shape, dtype, seed=i)
@@ -118,7 +105,7 @@ def case_gradcheck():
     Groups of 2 get the full Jacobian, the group of 4 the fast (random projection) check.
     """
     checks = 0
-    for g in _groups():
+    for g in cp_groups():
         n = g.size()
 
         def whole(q, k, v, g=g):
@@ -155,7 +142,7 @@ def case_matches_one_process():
     """ulysses_attention == attention on the gathered inputs, forward and gradients into q, k and v."""
     worst = 0.0
     checks = 0
-    for g in _groups():
+    for g in cp_groups():
         for name, q, k, v, s, h, kw in _attention_cases(g.size()):
             kw = dict(kw)
             attn_fn = kw.pop("attn_fn", None)
@@ -222,7 +209,7 @@ def case_errors():
     import torch.distributed as dist
 
     found = 0
-    for g in _groups():
+    for g in cp_groups():
         n = g.size()
         for fn, args, kwargs, exc, fragments in _error_rows(n):
             _raises(exc, fragments, fn, *args, cp_group=g, **kwargs)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 
 import pytest
@@ -12,24 +11,12 @@ import cp
 import parallel_state as ps
 from cp import debug, meta
 from cp.comm import parse_backend
+from cpgroups import cp_groups
 
 ENV = "PARALLEL_STATE_DEBUG"
 
 
 # ---------------------------------------------------------------- helpers run on every rank
-
-def _groups():
-    """The groups a case runs on: the world, and on 4 ranks also a CP group of 2 with non-adjacent members."""
-    import torch.distributed as dist
-
-    groups = [dist.group.WORLD]
-    if dist.get_world_size() == 4:
-        # dp before cp in the order: CP groups are (0, 2) and (1, 3), so group rank != global rank order.
-        ps.initialize_model_parallel(context_parallel_size=2, order="tp-dp-cp-pp",
-                                     timeout=datetime.timedelta(seconds=30))
-        groups.append(ps.get_context_parallel_group())
-    return groups
-
 
 def _data(shape, dtype=torch.float32, seed=0):
     """The same tensor on every rank; floats carry NaN, -0.0 and inf so that bit-exactness is tested."""
@@ -92,7 +79,7 @@ def case_round_trip():
 
     checks = 0
     kept = []  # every result, re-checked at the end: a later call must never overwrite an earlier result
-    for g in _groups():
+    for g in cp_groups():
         n, r = g.size(), g.rank()
         for x, d in _cases(n):
             shard = cp.split_inputs_cp(x, d, g)
@@ -145,7 +132,7 @@ def case_grad():
     import torch.distributed as dist
 
     checks = 0
-    for g in _groups():
+    for g in cp_groups():
         n, r = g.size(), g.rank()
         for shape, d in (((2, 3, 4 * n, 4, 6), 2), ((3, 8 * n, 5), -2), ((4 * n, 3), 0)):
             x = _data(shape, torch.float64, seed=11).nan_to_num(0.0, 1.0, -1.0)
@@ -180,7 +167,7 @@ def case_robust_broadcast():
 
     me = dist.get_rank()
     checks = 0
-    for g in _groups():
+    for g in cp_groups():
         ranks = dist.get_process_group_ranks(g)
         src = ranks[-1]  # the highest member: src is a global rank, not the group's first
         base = _data((3, 5), torch.float64, seed=src)
@@ -213,7 +200,7 @@ def case_broadcast_split():
 
     me = dist.get_rank()
     checks = 0
-    for g in _groups():
+    for g in cp_groups():
         n, r = g.size(), g.rank()
         src = min(dist.get_process_group_ranks(g))
         for x, d in _cases(n):
@@ -235,7 +222,7 @@ def case_object_lists():
 
     me = dist.get_rank()
     out = []
-    for g in _groups():
+    for g in cp_groups():
         n, r = g.size(), g.rank()
         ranks = dist.get_process_group_ranks(g)
         objs = [f"caption {i}" for i in range(3 * n)]
@@ -256,7 +243,7 @@ def case_errors():
 
     me = dist.get_rank()
     found = 0
-    for g in _groups():
+    for g in cp_groups():
         n = g.size()
         src = min(dist.get_process_group_ranks(g))
         x3 = torch.zeros(2, 4 * n, 3)
@@ -308,7 +295,7 @@ def case_debug_mode():
     os.environ[ENV] = "1"
     try:
         assert debug.enabled()
-        for g in _groups():
+        for g in cp_groups():
             n, r = g.size(), g.rank()
             src = min(dist.get_process_group_ranks(g))
             x = _data((2, 4 * n, 6))
