@@ -1,15 +1,20 @@
 """A Megatron-compatible parallel-state service: context- and pipeline-parallel process groups.
 
-Mirrors ``megatron.core.parallel_state``: the same names, arguments, defaults and rank layout.
-The pieces: ``plan`` (pure topology arithmetic), ``state`` (the one live state object and its
-lifecycle), ``groups`` (members-only group creation), ``accessors`` (Megatron's getters),
-``split`` (``find_split`` and ``cp_size_t``), ``bridge`` (megatron-core reads our groups).
-The runtime: ``launch`` (launcher detection), ``manager`` (DistributedManager), ``resolve``
-(rank / world size / collective device), ``runtime`` (dist_init), ``log`` (print helpers).
+Mirrors ``megatron.core.parallel_state`` 0.16: every public name, its arguments, defaults,
+answers and rank layout. The pieces: ``grid`` / ``plan`` (pure topology arithmetic: every group
+kind as a row of one table), ``state`` (the one live state object and its lifecycle),
+``groups`` (members-only group creation), ``answers`` / ``accessors`` / ``compiled``
+(precomputed answers, Megatron's getters, their one-read hot paths), ``megatron_globals``
+(megatron-core's private globals, read through this package's ``__getattr__``), ``bridge``
+(megatron-core reads our groups), ``rank_generator``, ``process_groups``, ``nccl``, ``memory``
+(megatron-core's utilities), ``split`` (``find_split`` and ``cp_size_t``), ``mesh`` (DeviceMesh
+views for DTensor / FSDP2). The runtime: ``launch`` (launcher detection), ``manager``
+(DistributedManager), ``resolve`` (rank / world size / collective device), ``runtime``
+(dist_init), ``log`` (print helpers).
 """
 
 #: megatron-core re-exports it from its module; code reaches it there.
-from datetime import timedelta  # noqa: E402, F401
+from datetime import timedelta  # noqa: F401
 
 from parallel_state.accessors import (  # noqa: F401  (re-exported API)
     get_all_ranks,

@@ -99,6 +99,25 @@ def bridge_megatron() -> bool:
     return True
 
 
+def _follow_overrides() -> None:
+    """Change hook: a set_* override made while bridged reaches megatron-core's _MPU_* globals too."""
+    mps = sys.modules.get(_MEGATRON)
+    if _bridged is None or mps is None or _st.peek() is not _bridged:
+        return
+    from parallel_state import megatron_globals
+
+    for name in megatron_globals.FROM_OVERRIDES:
+        value = megatron_globals.value(name)
+        setattr(mps, name, value)
+        _written[name] = value
+    for name in ("_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK", "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE"):
+        _written[name] = megatron_globals.value(name)
+        setattr(mps, name, _written[name])
+
+
+_st.on_change(_follow_overrides)
+
+
 def is_bridged() -> bool:
     """Whether megatron-core currently reads this project's groups."""
     return _bridged is not None

@@ -345,3 +345,24 @@ def test_nothing_changes_without_megatron():
     proc = subprocess.run([sys.executable, "-c", WITHOUT_MEGATRON], capture_output=True, text=True,
                           timeout=120, env=env, cwd=root)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def case_overrides_follow_the_bridge():
+    """A set_* override made after bridging reaches megatron-core's accessors, and destroy clears it there."""
+    import megatron.core.parallel_state as mps
+
+    ps.initialize_model_parallel(context_parallel_size=2, timeout=datetime.timedelta(seconds=30))
+    before = mps.get_tensor_model_parallel_world_size()
+    ps.set_tensor_model_parallel_world_size(3)
+    ps.set_expert_model_parallel_rank(5)
+    ps.set_virtual_pipeline_model_parallel_world_size(4)
+    after = (mps.get_tensor_model_parallel_world_size(), mps.get_expert_model_parallel_rank(),
+             mps.get_virtual_pipeline_model_parallel_world_size())
+    ps.set_tensor_model_parallel_world_size(None)
+    cleared = mps.get_tensor_model_parallel_world_size()
+    ps.destroy_model_parallel()
+    return before, after, cleared, mps._MPU_EXPERT_MODEL_PARALLEL_RANK, mps._VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+
+
+def test_overrides_made_after_bridging_reach_megatron(pools):
+    assert pools(2).run(case_overrides_follow_the_bridge) == [(1, (3, 5, 4), 1, None, None)] * 2
