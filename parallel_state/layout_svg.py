@@ -14,7 +14,7 @@ from xml.sax.saxutils import escape
 from parallel_state.plan import TopologyPlan
 
 if TYPE_CHECKING:
-    from parallel_state.cli import SplitReport
+    from parallel_state.plan_report import SplitReport
 
 # Pastel fills with a darker edge of the same hue; neighbouring CP groups get different hues.
 PALETTE: tuple[tuple[str, str], ...] = (

@@ -164,9 +164,11 @@ class DistributedManager:
                 import torch.distributed as dist
 
                 if dist.is_initialized():
-                    from parallel_state.initialize import destroy_model_parallel
+                    # The state's teardown (what destroy_model_parallel runs): the manager sits
+                    # below initialize, which reaches it through the memory buffer's device.
+                    from parallel_state.state import teardown
 
-                    destroy_model_parallel()
+                    teardown()
                     try:
                         if state["_device"].type == "cuda":
                             dist.barrier(device_ids=[state["_device"].index])

@@ -1,0 +1,130 @@
+"""What ``plan`` and ``demo`` share: exit codes, one-line errors, argument lists, and plans of a topology and a latent.
+
+Kept apart from ``cli`` (the parser and the printing) so that ``cli``, ``demo`` and
+``layout_svg`` each import it, and none of them imports another.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from parallel_state.errors import ParallelStateError
+from parallel_state.plan import TopologyPlan
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exits with ``code``."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE):
+        super().__init__(message)
+        self.code = code
+
+
+# ----------------------------------------------------------------------------- parsing helpers
+
+
+def int_list(flag: str, text: str, length: int, names: str) -> tuple[int, ...]:
+    """Parse ``"1,2,3"`` given to ``flag`` into ``length`` positive ints, or raise CliError."""
+    parts = [p.strip() for p in str(text).split(",")]
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        raise CliError(f"{flag} needs {length} comma-separated integers {names}, got {text!r}") from None
+    if len(values) != length:
+        raise CliError(f"{flag} needs {length} comma-separated integers {names}, got {len(values)} in {text!r}")
+    if any(v < 1 for v in values):
+        raise CliError(f"{flag} values must all be >= 1, got {text!r}")
+    return values
+
+
+def make_plan(world_size: int, tp: int, cp: int, pp: int, order: str) -> TopologyPlan:
+    """A TopologyPlan, with its errors turned into one-line CLI errors."""
+    try:
+        return TopologyPlan(world_size, tp=tp, cp=cp, pp=pp, order=order)
+    except ParallelStateError as exc:
+        raise CliError(str(exc)) from None
+
+
+# ----------------------------------------------------------------------------- video split
+
+
+@dataclass
+class SplitReport:
+    """What ``find_split`` says about one latent shape and cp size."""
+
+    shape: tuple[int, ...]
+    cp_size: int
+    patch: tuple[int, int, int]
+    view_factor: int
+    per_rank: tuple[int, ...] | None = None  # (T', H', W) when it splits
+    cp_size_t: int | None = None
+    error: str | None = None
+    suggested_cp_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def cp_size_h(self) -> int | None:
+        return None if self.cp_size_t is None else self.cp_size // self.cp_size_t
+
+
+_MISSING = object()
+
+
+def find_split_quietly(shape: Sequence[int], cp_size: int, patch: Sequence[int], view_factor: int
+                       ) -> tuple[tuple[int, ...], int]:
+    """``find_split``'s result and ``cp_size_t``, leaving every recorded ``cp_size_t`` as it was.
+
+    ``plan`` only reports; it must not leave a value behind for code that runs after it in the
+    same process (tests call the CLI in-process), neither in ``parallel_state`` nor in the
+    ``megatron.core.parallel_state`` copy that find_split keeps when megatron-core is loaded.
+    """
+    import parallel_state as ps
+
+    modules = [m for m in (ps, sys.modules.get("megatron.core.parallel_state")) if m is not None]
+    saved = [(m, vars(m).get("cp_size_t", _MISSING)) for m in modules]
+    try:
+        out = ps.find_split(list(shape), cp_size, patch_values=tuple(patch), view_factor=view_factor)
+        return tuple(int(v) for v in out), int(ps.cp_size_t)
+    finally:
+        for module, value in saved:
+            if value is _MISSING:
+                vars(module).pop("cp_size_t", None)
+            else:
+                module.cp_size_t = value
+
+
+def split_report(plan: TopologyPlan, shape: tuple[int, ...], patch: tuple[int, int, int],
+                 view_factor: int) -> SplitReport:
+    """Plan ``shape`` for ``plan.cp``; when it cannot be split, list the cp sizes that could.
+
+    A shape that is invalid whatever the cp size (not 5-D, T not divisible by the view factor)
+    is a CliError; a shape that only this cp size cannot split is reported, not raised.
+    """
+    report = SplitReport(shape=shape, cp_size=plan.cp, patch=patch, view_factor=view_factor)
+    try:
+        find_split_quietly(shape, 1, patch, view_factor)
+    except (ValueError, TypeError) as exc:
+        raise CliError(f"--video-shape {','.join(map(str, shape))}: {exc}") from None
+    try:
+        report.per_rank, report.cp_size_t = find_split_quietly(shape, plan.cp, patch, view_factor)
+        return report
+    except (ValueError, TypeError) as exc:
+        report.error = str(exc)
+    # cp sizes that keep this world size, tp and pp and that split the latent.
+    room = plan.world_size // (plan.tp * plan.pp)
+    for cp in range(1, room + 1):
+        if room % cp:
+            continue
+        try:
+            find_split_quietly(shape, cp, patch, view_factor)
+        except (ValueError, TypeError):
+            continue
+        report.suggested_cp_sizes.append(cp)
+    return report
