@@ -89,7 +89,7 @@ LABELS = {
     "etp-ep-pp": "expert tensor-model-pipeline-parallel", "edp": "expert data-parallel",
     "edp-intra": "partial expert data-parallel", "edp-inter": "inter distributed-optimizer-instance",
     "dist-opt": "intra distributed-optimizer-instance", "hcp": "hierarchical context-parallel",
-    "hybrid": "hybrid data-and-context-parallel", "vpp": "virtual pipeline", "embd.in": "embedding",
+    "hybrid": "hybrid data-and-context-parallel", "vpp": "virtual pipeline",
 }
 
 

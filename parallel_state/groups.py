@@ -109,9 +109,10 @@ class GroupBatch:
         """
         slot = self._next_slot
         self._next_slot += count
-        if not ranks and not _eager_nccl():
+        eager = _eager_nccl()
+        if not ranks and not eager:
             return None
-        if _eager_nccl() and all_groups is not None:
+        if eager and all_groups is not None:
             mine = None
             for i, group_ranks in enumerate(all_groups()):
                 c10d._world.group_count = self._base + slot + i

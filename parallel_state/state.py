@@ -134,11 +134,13 @@ def build(
         whole_world = ((1, plan.world_size),)
         for kind in plan.kinds:
             signature = plan.signature(kind)
-            if signature == whole_world and signature not in by_signature and nccl_options(kind) is None \
-                    and (kind != "pp" or pipeline_backend is None) and kind != sharp_kind:
-                # A kind whose one group is the whole world is the default group: no new
-                # communicator, and no rank walks a world-sized rank list.
-                by_signature[signature] = c10d._get_default_group()
+            if signature not in by_signature:
+                options = nccl_options(kind)  # only for a kind that gets a group of its own
+                if signature == whole_world and options is None and (kind != "pp" or pipeline_backend is None) \
+                        and kind != sharp_kind:
+                    # A kind whose one group is the whole world is the default group: no new
+                    # communicator, and no rank walks a world-sized rank list.
+                    by_signature[signature] = c10d._get_default_group()
             if signature in by_signature:
                 state.groups[kind] = by_signature[signature]
                 batch.skip(plan.num_groups(kind))
@@ -146,7 +148,7 @@ def build(
             with sharp_enabled(kind == sharp_kind) as enable:
                 state.groups[kind] = by_signature[signature] = enable(_create(
                     batch, state, kind, backend=pipeline_backend if kind == "pp" else None,
-                    pg_options=nccl_options(kind), desc=kind))
+                    pg_options=options, desc=kind))
         reuse = dist.get_backend() == "gloo"
         gloo_by_signature: dict[Any, Any] = {}
         for kind in gloo_kinds:
