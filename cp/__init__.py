@@ -8,7 +8,7 @@ runs in one process and in many.
 from cp.attention import heads_to_seq, sdpa_in_layout, seq_to_heads, ulysses_attention
 from cp.broadcast import broadcast, broadcast_split_tensor, robust_broadcast
 from cp.objects import cat_outputs_cp_object_list, split_inputs_cp_object_list
-from cp.shard import cat_outputs_cp, cat_outputs_cp_with_grad, split_inputs_cp
+from cp.shard import cat_outputs_cp, cat_outputs_cp_with_grad, shard_sizes, split_inputs_cp
 from cp.workspace import release_gather_workspace
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "robust_broadcast",
     "sdpa_in_layout",
     "seq_to_heads",
+    "shard_sizes",
     "split_inputs_cp",
     "split_inputs_cp_object_list",
     "ulysses_attention",

@@ -146,3 +146,15 @@ def case_cp_size_t_across_initialize_and_destroy():
 def test_cp_size_t_across_initialize_and_destroy(pools):
     assert pools(2).run(case_cp_size_t_across_initialize_and_destroy) == [
         [False, (3, 32, 64), 1, False, 2, False, False]] * 2
+
+
+def test_shard_sizes_follow_tensor_split():
+    import torch
+
+    import cp
+
+    for length in range(1, 40):
+        for n in range(1, length + 1):
+            assert cp.shard_sizes(length, n) == tuple(t.numel() for t in torch.arange(length).tensor_split(n))
+    with pytest.raises(ValueError, match="cannot split 3 elements into 4 shards"):
+        cp.shard_sizes(3, 4)
