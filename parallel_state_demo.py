@@ -37,9 +37,9 @@ import cp
 import demo_dit
 import parallel_state as ps
 import scheduler
-from parallel_state.cli import format_plan
-from parallel_state.groups import live_groups
-from parallel_state.plan import TopologyPlan
+from parallel_state.groups.create import live_groups
+from parallel_state.tools.cli import format_plan
+from parallel_state.topology.plan import TopologyPlan
 
 SEED = 1234
 NUM_BLOCKS = 4   # the DiT's blocks, divided among the pipeline stages

@@ -16,7 +16,17 @@ views for DTensor / FSDP2). The runtime: ``launch`` (launcher detection), ``mana
 #: megatron-core re-exports it from its module; code reaches it there.
 from datetime import timedelta  # noqa: F401
 
-from parallel_state.accessors import (  # noqa: F401  (re-exported API)
+from parallel_state.errors import (  # noqa: F401
+    ParallelStateAssertionError,
+    ParallelStateError,
+    ParallelStateTypeError,
+    ParallelStateValueError,
+    ParallelStateWarning,
+)
+from parallel_state.groups.nccl import get_nccl_options, overwrite_nccl_comm_cfgs  # noqa: F401
+from parallel_state.groups.process_groups import create_group, is_torch_min_version, update_pg_timeout  # noqa: F401
+from parallel_state.groups.state import register_teardown_hook  # noqa: F401
+from parallel_state.megatron.accessors import (  # noqa: F401  (re-exported API)
     get_all_ranks,
     get_amax_reduction_group,
     get_context_parallel_global_ranks,
@@ -104,19 +114,9 @@ from parallel_state.accessors import (  # noqa: F401  (re-exported API)
     set_virtual_pipeline_model_parallel_rank,
     set_virtual_pipeline_model_parallel_world_size,
 )
-from parallel_state.bridge import bridge_megatron  # noqa: F401
-from parallel_state.errors import (  # noqa: F401
-    ParallelStateAssertionError,
-    ParallelStateError,
-    ParallelStateTypeError,
-    ParallelStateValueError,
-    ParallelStateWarning,
-)
-from parallel_state.initialize import destroy_model_parallel, initialize_model_parallel  # noqa: F401
-from parallel_state.launch import LaunchInfo, detect_launch  # noqa: F401
-from parallel_state.log import print_per_rank, print_rank_0  # noqa: F401
-from parallel_state.manager import DistributedManager  # noqa: F401
-from parallel_state.memory import (  # noqa: F401
+from parallel_state.megatron.bridge import bridge_megatron  # noqa: F401
+from parallel_state.megatron.initialize import destroy_model_parallel, initialize_model_parallel  # noqa: F401
+from parallel_state.megatron.memory import (  # noqa: F401
     GlobalMemoryBuffer,
     GlobalSymmetricMemoryBuffer,
     _set_global_symmetric_memory_buffer,
@@ -125,30 +125,30 @@ from parallel_state.memory import (  # noqa: F401
     get_global_memory_buffer,
     get_global_symmetric_memory_buffer,
 )
-from parallel_state.mesh import device_mesh, fsdp_mesh  # noqa: F401
-from parallel_state.nccl import get_nccl_options, overwrite_nccl_comm_cfgs  # noqa: F401
-from parallel_state.plan import (  # noqa: F401
-    DEFAULT_ORDER,
-    TopologyPlan,
-    default_embedding_ranks,
-    default_position_embedding_ranks,
-)
-from parallel_state.process_groups import create_group, is_torch_min_version, update_pg_timeout  # noqa: F401
-from parallel_state.rank_generator import (  # noqa: F401
-    RankGenerator,
-    create_hierarchical_groups,
-    create_hybrid_dp_cp_groups,
-    generate_masked_orthogonal_rank_groups,
-)
-from parallel_state.resolve import collective_device, resolve_global_rank, resolve_world_size  # noqa: F401
-from parallel_state.runtime import (  # noqa: F401
+from parallel_state.runtime.dist_init import (  # noqa: F401
     dist_init,
     is_last_rank,
     is_last_tp_cp_rank,
     register_dist_init_hook,
 )
-from parallel_state.split import find_split  # noqa: F401
-from parallel_state.state import register_teardown_hook  # noqa: F401
+from parallel_state.runtime.launch import LaunchInfo, detect_launch  # noqa: F401
+from parallel_state.runtime.log import print_per_rank, print_rank_0  # noqa: F401
+from parallel_state.runtime.manager import DistributedManager  # noqa: F401
+from parallel_state.runtime.mesh import device_mesh, fsdp_mesh  # noqa: F401
+from parallel_state.runtime.resolve import collective_device, resolve_global_rank, resolve_world_size  # noqa: F401
+from parallel_state.topology.plan import (  # noqa: F401
+    DEFAULT_ORDER,
+    TopologyPlan,
+    default_embedding_ranks,
+    default_position_embedding_ranks,
+)
+from parallel_state.topology.rank_generator import (  # noqa: F401
+    RankGenerator,
+    create_hierarchical_groups,
+    create_hybrid_dp_cp_groups,
+    generate_masked_orthogonal_rank_groups,
+)
+from parallel_state.topology.split import find_split  # noqa: F401
 
 
 def __getattr__(name: str) -> object:
@@ -156,7 +156,7 @@ def __getattr__(name: str) -> object:
     import importlib
 
     # Not ``from parallel_state import ...``: that looks the submodule up here first and recurses.
-    megatron_globals = importlib.import_module("parallel_state.megatron_globals")
+    megatron_globals = importlib.import_module("parallel_state.megatron.megatron_globals")
     if name in megatron_globals.NAMES:
         return megatron_globals.value(name)
     raise AttributeError(f"module 'parallel_state' has no attribute {name!r}")

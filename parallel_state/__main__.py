@@ -1,5 +1,5 @@
-"""``python -m parallel_state``: the command line (see ``parallel_state.cli``)."""
+"""``python -m parallel_state``: the command line (see ``parallel_state.tools.cli``)."""
 
-from parallel_state.cli import main
+from parallel_state.tools.cli import main
 
 raise SystemExit(main())

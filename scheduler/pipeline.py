@@ -14,8 +14,8 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Sequence
 
 import parallel_state as ps
-from parallel_state import state as _st
 from parallel_state.errors import ParallelStateError, ParallelStateWarning
+from parallel_state.groups import state as _st
 
 if TYPE_CHECKING:
     import torch

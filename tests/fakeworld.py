@@ -25,7 +25,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import parallel_state as ps
-    from parallel_state.plan import TopologyPlan
+    from parallel_state.topology.plan import TopologyPlan
 
     dist.init_process_group("fake", store=FakeStore(), rank=case["rank"], world_size=case["world"])
     kwargs = dict(tensor_model_parallel_size=case["tp"], context_parallel_size=case["cp"],

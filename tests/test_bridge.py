@@ -138,7 +138,7 @@ def case_bridge_cycles(topologies, rounds):
         for topo in topologies:
             assert not mps.model_parallel_is_initialized()
             _init(topo)  # megatron-core is loaded: initialize bridges by itself
-            state = ps.state.peek()
+            state = ps.groups.state.peek()
             # no second set of groups: torch knows exactly the groups parallel_state owns
             assert set(c10d._world.pg_map) - before == {g for g in state.owned}
             for name, kw, kind in GROUPS:
@@ -283,7 +283,7 @@ def case_megatron_destroy_and_megatron_own_groups():
             ps.initialize_model_parallel(context_parallel_size=2)
         except ParallelStateError as exc:
             seen["refused"] = str(exc)
-        seen["nothing_built"] = ps.state.peek() is None
+        seen["nothing_built"] = ps.groups.state.peek() is None
         seen["megatron_kept"] = mps.get_context_parallel_world_size() == 2
         t = torch.ones(1)
         dist.all_reduce(t, group=mps.get_context_parallel_group())

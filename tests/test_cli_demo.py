@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from parallel_state import cli
-from parallel_state.demo import config_from_args, default_topologies
+from parallel_state.tools import cli
+from parallel_state.tools.demo import config_from_args, default_topologies
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_LATENT = "1,4,8,16,16"
@@ -112,7 +112,8 @@ def test_demo_unsplittable_latent_names_the_cp_sizes_that_work(capsys):
 
 
 def test_plain_imports_stay_light_and_one_way():
-    code = ("import sys, parallel_state, parallel_state.cli, parallel_state.demo, parallel_state.layout_svg\n"
+    code = ("import sys, parallel_state, parallel_state.tools.cli, parallel_state.tools.demo,"
+            " parallel_state.tools.layout_svg\n"
             "bad = [m for m in ('cp', 'scheduler', 'parallel_state_demo', 'torch.distributed.launcher', 'loguru',"
             " 'megatron') if m in sys.modules]\n"
             "assert not bad, bad\n")

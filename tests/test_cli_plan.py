@@ -12,7 +12,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import parallel_state as ps
-from parallel_state import TopologyPlan, cli
+from parallel_state import TopologyPlan
+from parallel_state.tools import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("tp", "cp", "pp", "dp", "dp-cp", "tp-pp", "tp-cp")

@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
-from parallel_state.memory import (
+from parallel_state.groups.nccl import get_nccl_options, load_nccl_comm_cfgs, overwrite_nccl_comm_cfgs
+from parallel_state.groups.process_groups import create_group, is_torch_min_version, update_pg_timeout
+from parallel_state.megatron.memory import (
     GlobalMemoryBuffer,
     GlobalSymmetricMemoryBuffer,
     destroy_global_memory_buffer,
@@ -25,9 +27,7 @@ from parallel_state.memory import (
     get_global_symmetric_memory_buffer,
     set_global_memory_buffer,
 )
-from parallel_state.nccl import get_nccl_options, load_nccl_comm_cfgs, overwrite_nccl_comm_cfgs
-from parallel_state.process_groups import create_group, is_torch_min_version, update_pg_timeout
-from parallel_state.rank_generator import (
+from parallel_state.topology.rank_generator import (
     RankGenerator,
     default_embedding_ranks,
     default_position_embedding_ranks,
@@ -337,8 +337,8 @@ def _groups_and_timeouts(expected_hier, expected_hybrid):
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    from parallel_state import process_groups as pgs
-    from parallel_state.rank_generator import create_hierarchical_groups, create_hybrid_dp_cp_groups
+    from parallel_state.groups import process_groups as pgs
+    from parallel_state.topology.rank_generator import create_hierarchical_groups, create_hybrid_dp_cp_groups
 
     me = dist.get_rank()
     original = _gloo_timeout(c10d._get_default_group())

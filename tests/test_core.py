@@ -172,7 +172,7 @@ def test_twenty_rebuilds_leave_no_group_behind(pools):
 def case_group_counts(topo):
     """Groups this rank created: distinct objects and their number."""
     ps.initialize_model_parallel(**_topology_kwargs(topo))
-    state = ps.state.peek()
+    state = ps.groups.state.peek()
     return len(state.owned), len({id(g) for g in state.owned})
 
 

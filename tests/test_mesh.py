@@ -17,7 +17,7 @@ import pytest
 
 import parallel_state as ps
 from parallel_state import ParallelStateError, TopologyPlan
-from parallel_state import mesh as mesh_module
+from parallel_state.runtime import mesh as mesh_module
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -253,7 +253,7 @@ def _one_rank_fails_creating():
     """dp 4, shard_size 2 (two new groups): rank 0 fails after creating its groups; no rank may keep any."""
     import torch.distributed as dist
 
-    from parallel_state.groups import GroupBatch
+    from parallel_state.groups.create import GroupBatch
 
     ps.destroy_model_parallel()
     _init()

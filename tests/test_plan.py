@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from parallel_state import ParallelStateAssertionError, ParallelStateError, TopologyPlan
-from parallel_state.plan import GridKind
+from parallel_state.topology.plan import GridKind
 
 ORDERS = ["tp-cp-ep-dp-pp", "tp-pp-dp", "tp-cp-pp-dp", "pp-dp-tp-cp", "dp-cp-tp-pp", "cp-tp-dp-pp",
           "tp-dp-pp", "TP-CP-EP-DP-PP", "ep-pp-cp-dp-tp", "tp-cp-dp-pp"]

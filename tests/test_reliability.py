@@ -66,7 +66,7 @@ def _missing(message):
     """The ranks a 'did not arrive' error names (a loaded machine may delay more than one)."""
     import re
 
-    from parallel_state.consistency import _ranges
+    from parallel_state.groups.consistency import _ranges
 
     found = re.search(r"rank\(s\) ([0-9, -]+) of \d+ did not arrive within the timeout", message)
     if not found:
@@ -173,7 +173,7 @@ def case_check_api(tag):
     """check_same_everywhere as the runtime's dist_init will use it: a name and a dict."""
     import torch.distributed as dist
 
-    from parallel_state.consistency import check_same_everywhere
+    from parallel_state.groups.consistency import check_same_everywhere
 
     rank = dist.get_rank()
     for i in range(30):  # many rounds: old rounds' keys are dropped, names never collide
@@ -218,7 +218,7 @@ def test_check_consistency_false_skips_both_rounds(pools):
 
 
 def test_rank_lists_stay_short():
-    from parallel_state.consistency import _ranges
+    from parallel_state.groups.consistency import _ranges
 
     assert _ranges([0, 1, 2, 5, 7, 8, 9, 12]) == "0-2, 5, 7-9, 12"
     assert _ranges([3]) == "3" and _ranges([]) == "none"
@@ -420,7 +420,7 @@ def test_wrong_types_are_both_type_errors_and_parallel_state_errors(bad_initiali
 
 def case_failure_mid_creation(priority_groups):
     """NCCL stream options for one kind are made only when that kind's group is built, after others."""
-    from parallel_state import groups
+    from parallel_state.groups import create as groups
 
     created = []
     original = groups.GroupBatch.create
@@ -516,7 +516,7 @@ def case_confirm(failing_rank):
     """The closing round on its own: one rank reports a failure, the others succeeded."""
     import torch.distributed as dist
 
-    from parallel_state.consistency import confirm_everywhere
+    from parallel_state.groups.consistency import confirm_everywhere
 
     mine = ValueError("disk full") if dist.get_rank() == failing_rank else None
     return _attempt(confirm_everywhere, "load_checkpoint", mine, timeout=SECONDS)[0]
@@ -562,7 +562,7 @@ SETTERS = {"set_data_parallel_rank", "set_pipeline_model_parallel_rank", "set_pi
 
 
 def _public_accessors():
-    from parallel_state import accessors
+    from parallel_state.megatron import accessors
 
     return sorted(n for n, f in vars(accessors).items()
                   if callable(f) and not n.startswith("_") and getattr(f, "__module__", "") == accessors.__name__)
@@ -593,7 +593,7 @@ def case_accessors_lifecycle():
 def test_every_accessor_before_initialize(pools):
     out = pools(4).run(case_accessors_lifecycle)[0]
     names = _public_accessors()
-    exported = {n for n in dir(ps) if getattr(getattr(ps, n), "__module__", None) == "parallel_state.accessors"}
+    exported = {n for n in dir(ps) if getattr(getattr(ps, n), "__module__", None) == "parallel_state.megatron.accessors"}
     assert len(names) >= 50 and exported <= set(names) and set(out["before"]) == set(names)
     for name in names:
         error, value = out["before"][name]

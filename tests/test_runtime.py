@@ -18,7 +18,7 @@ import pytest
 import parallel_state as ps
 import scheduler
 from parallel_state import DistributedManager, LaunchInfo, ParallelStateError, ParallelStateWarning, TopologyPlan
-from parallel_state.launch import DEFAULT_MASTER_PORT, LAUNCHERS
+from parallel_state.runtime.launch import DEFAULT_MASTER_PORT, LAUNCHERS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -36,7 +36,7 @@ def clean_env(monkeypatch):
     for var in LAUNCH_VARS:
         monkeypatch.delenv(var, raising=False)
     DistributedManager.cleanup()
-    assert not ps.resolve.dist_ready()
+    assert not ps.runtime.resolve.dist_ready()
     yield monkeypatch
     DistributedManager.cleanup()
 
@@ -199,7 +199,7 @@ def test_manager_single_process_lifecycle(clean_env):
     assert (b.rank, b.world_size, b.local_rank, b.distributed, b.launch.launcher) == (0, 1, 0, False, "single")
     assert b.device == _local_device(torch.cuda.current_device() if torch.cuda.is_available() else 0)
     assert b.cuda == torch.cuda.is_available()
-    assert not ps.resolve.dist_ready()  # a single process starts no process group
+    assert not ps.runtime.resolve.dist_ready()  # a single process starts no process group
     # The manager now answers first, even over a launcher environment set afterwards.
     _set(clean_env, TORCHRUN)
     assert (ps.resolve_world_size(), ps.resolve_global_rank()) == (1, 0)
@@ -243,7 +243,7 @@ def case_dist_init(config_form):
         "expected_cp": list(plan.group_ranks("cp", rank)), "expected_pp": list(plan.group_ranks("pp", rank)),
         "is_last_rank": ps.is_last_rank(), "is_last_tp_cp_rank": ps.is_last_tp_cp_rank(),
         "cp_rank": ps.get_cp_rank(), "scheduler": sched is not None,
-        "timeout": ps.state.current().timeout.total_seconds(),
+        "timeout": ps.groups.state.current().timeout.total_seconds(),
         "world": ps.resolve_world_size(), "rank": ps.resolve_global_rank(),
         "device": str(ps.collective_device()), "sched_device": str(sched.device),
     }
@@ -305,7 +305,7 @@ def case_dist_init_errors():
     except RuntimeError as exc:
         errors["hook"] = (type(exc).__name__, str(exc))
     finally:
-        ps.runtime._dist_init_hooks.remove(failing_hook)
+        ps.runtime.dist_init._dist_init_hooks.remove(failing_hook)
     errors["hook_left_groups"] = ps.is_initialized()
     return errors
 
@@ -413,7 +413,7 @@ def test_print_rank_0_outside_distributed(clean_env):
         ps.print_per_rank("env")
     finally:
         logger.remove(sink)
-    # Each line is attributed to the caller, not to parallel_state.log.
+    # Each line is attributed to the caller, not to parallel_state.runtime.log.
     assert [str(line).strip() for line in lines] == [
         "test_runtime:test_print_rank_0_outside_distributed [rank 0] alone",
         "test_runtime:test_print_rank_0_outside_distributed [rank 2] env"]

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import parallel_state as ps
-from parallel_state.grid import normalize_order
+from parallel_state.topology.grid import normalize_order
 
 #: The decoder grid's kinds; with ep 1 the expert kinds are among them (expert dp = dp x cp).
 KINDS = ("dp-cp", "dp", "cp", "tp-pp", "tp", "pp", "tp-dp-cp", "tp-dp", "tp-cp")

@@ -54,7 +54,7 @@ def case_soak(cycles):
     start = time.perf_counter()
     for i in range(cycles):
         ps.initialize_model_parallel(**TOPOLOGIES[i % len(TOPOLOGIES)], timeout=datetime.timedelta(seconds=60))
-        state = ps.state.peek()
+        state = ps.groups.state.peek()
         # None: a kind this rank is in no group of (the position embedding lives on the first stage).
         groups = {id(g): g for g in [*state.groups.values(), *state.gloo_groups.values()] if g is not None}
         live.append(len(groups))

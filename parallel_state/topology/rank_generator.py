@@ -15,15 +15,15 @@ import math
 import operator
 from typing import Any, Sequence
 
-from parallel_state.arguments import flag, is_int, non_negative_int, positive_int
 from parallel_state.errors import (
     ParallelStateAssertionError,
     ParallelStateError,
     ParallelStateTypeError,
     ParallelStateValueError,
 )
-from parallel_state.grid import Grid
-from parallel_state.plan import default_embedding_ranks, default_position_embedding_ranks, hybrid_sizes  # noqa: F401
+from parallel_state.topology.arguments import flag, is_int, non_negative_int, positive_int
+from parallel_state.topology.grid import Grid
+from parallel_state.topology.plan import default_embedding_ranks, default_position_embedding_ranks, hybrid_sizes  # noqa: F401
 
 
 def _rank_list(name: str, ranks: object) -> list[int]:
@@ -209,7 +209,7 @@ def create_hierarchical_groups(
     matching gloo groups (None entries unless ``create_gloo_process_groups``). ``pg_options``
     is one options object for every level, or a list with one per level.
     """
-    from parallel_state.process_groups import create_group
+    from parallel_state.groups.process_groups import create_group
 
     rank = _this_rank(rank)
     create_gloo = flag("create_gloo_process_groups", create_gloo_process_groups)
@@ -245,7 +245,7 @@ def create_hybrid_dp_cp_groups(rank: int, ranks: Sequence[int], pg_options: Any)
 
     Returns this rank's group of each size, keyed by size (empty when ``rank`` is not in ``ranks``).
     """
-    from parallel_state.process_groups import create_group
+    from parallel_state.groups.process_groups import create_group
 
     rank = _this_rank(rank)
     mine: dict[int, Any] = {}

@@ -1,6 +1,6 @@
 """megatron-core's parallel-state accessors, each a lookup in the precomputed answers.
 
-The answers (``parallel_state.answers``) are computed when the groups are built and when an
+The answers (``parallel_state.megatron.answers``) are computed when the groups are built and when an
 override changes, so a call costs one dict lookup; arguments are validated only off the
 default path. Most accessors repeat one of a few shapes and are made by the factories below,
 one line each, with megatron-core's parameter names and defaults.
@@ -11,12 +11,12 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
-from parallel_state import state as _st
-from parallel_state.answers import ANSWERS as _A
-from parallel_state.answers import lookup as _lookup
-from parallel_state.arguments import flag, non_negative_int, positive_int
-from parallel_state.compiled import compile_accessor
 from parallel_state.errors import ParallelStateAssertionError
+from parallel_state.groups import state as _st
+from parallel_state.megatron.answers import ANSWERS as _A
+from parallel_state.megatron.answers import lookup as _lookup
+from parallel_state.megatron.compiled import compile_accessor
+from parallel_state.topology.arguments import flag, non_negative_int, positive_int
 
 #: reference accessor -> its fast path (argument values -> answer key), compiled at the end of the module.
 _FAST: dict[Callable[..., Any], dict[tuple[tuple[str, Any], ...], str]] = {}

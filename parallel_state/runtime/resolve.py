@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from parallel_state.launch import named_launcher, read_launcher_int
-from parallel_state.manager import DistributedManager, local_cuda_device
+from parallel_state.runtime.launch import named_launcher, read_launcher_int
+from parallel_state.runtime.manager import DistributedManager, local_cuda_device
 
 
 def dist_ready() -> bool:

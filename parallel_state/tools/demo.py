@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from parallel_state.plan_report import (
+from parallel_state.tools.plan_report import (
     EXIT_CHECK_FAILED,
     EXIT_OK,
     CliError,

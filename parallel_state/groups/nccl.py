@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from parallel_state.arguments import optional_str_list
 from parallel_state.errors import ParallelStateError, ParallelStateTypeError
+from parallel_state.topology.arguments import optional_str_list
 
 #: The ``ProcessGroupNCCL.Options.config`` fields a group's settings may set.
 CONFIG_KEYS: tuple[str, ...] = ("cga_cluster_size", "max_ctas", "min_ctas", "net_name")

@@ -16,8 +16,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-from parallel_state import state as _st
-from parallel_state.answers import ANSWERS
+from parallel_state.groups import state as _st
+from parallel_state.megatron.answers import ANSWERS
 
 #: The generated functions' globals: each reference accessor, and one variable per present answer.
 _NS: dict[str, Any] = {}

@@ -7,7 +7,7 @@ import warnings
 from typing import Any, ClassVar
 
 from parallel_state.errors import ParallelStateError, ParallelStateWarning
-from parallel_state.launch import LaunchInfo, detect_launch
+from parallel_state.runtime.launch import LaunchInfo, detect_launch
 
 
 def _cuda_device_count() -> int:
@@ -166,7 +166,7 @@ class DistributedManager:
                 if dist.is_initialized():
                     # The state's teardown (what destroy_model_parallel runs): the manager sits
                     # below initialize, which reaches it through the memory buffer's device.
-                    from parallel_state.state import teardown
+                    from parallel_state.groups.state import teardown
 
                     teardown()
                     try:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from parallel_state import state as _st
 from parallel_state.errors import ParallelStateAssertionError
+from parallel_state.groups import state as _st
 
 #: Megatron's set_* values (override keys of state.overrides) -> the answers they replace.
 OVERRIDES: dict[str, tuple[str, ...]] = {

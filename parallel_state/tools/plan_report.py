@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from parallel_state.errors import ParallelStateError
-from parallel_state.plan import TopologyPlan
+from parallel_state.topology.plan import TopologyPlan
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateTypeError
-from parallel_state.plan import GridKind, TopologyPlan
+from parallel_state.topology.plan import GridKind, TopologyPlan
 
 #: The gloo side groups Megatron builds for CPU-side data-parallel work (kinds of the plan).
 GLOO_KINDS: tuple[str, ...] = ("dp-cp", "dp-cp-intra", "dp", "edp", "edp-intra")
@@ -112,7 +112,7 @@ def build(
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    from parallel_state.groups import GroupBatch, destroy_groups, sharp_enabled
+    from parallel_state.groups.create import GroupBatch, destroy_groups, sharp_enabled
 
     if _state is not None:
         raise ParallelStateAssertionError(
@@ -189,7 +189,7 @@ def _create(batch: Any, state: ParallelState, kind: str, **kwargs: Any) -> Any:
 def teardown() -> None:
     """Free every group the live state created, run the teardown hooks, and forget everything."""
     global _state
-    from parallel_state.groups import destroy_groups
+    from parallel_state.groups.create import destroy_groups
 
     state, _state = _state, None
     overrides.clear()

@@ -6,9 +6,9 @@ import datetime
 import os
 from typing import Any, Callable, List, Optional
 
-from parallel_state import state as _st
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
-from parallel_state.plan import TopologyPlan
+from parallel_state.groups import state as _st
+from parallel_state.topology.plan import TopologyPlan
 
 # Megatron's names for the NCCL communicator config sections, by group kind.
 _NCCL_CFG_NAME = {
@@ -41,7 +41,7 @@ def _alias(name: str, megatron_value: Any, default: Any, alias_name: str, alias_
 
 def _nccl_options(config_path: Any, high_priority: list[str] | None) -> Callable[[str], Any]:
     """Each kind's NCCL options (None where nothing is configured), as megatron-core builds them."""
-    from parallel_state.nccl import get_nccl_options, load_nccl_comm_cfgs
+    from parallel_state.groups.nccl import get_nccl_options, load_nccl_comm_cfgs
 
     cfgs = load_nccl_comm_cfgs(config_path, high_priority)
     if not cfgs:
@@ -89,7 +89,7 @@ def initialize_model_parallel(
     """
     import torch.distributed as dist
 
-    from parallel_state import arguments as a
+    from parallel_state.topology import arguments as a
 
     tp = _alias("tensor_model_parallel_size", tensor_model_parallel_size, 1, "tp_size", tp_size)
     cp = _alias("context_parallel_size", context_parallel_size, 1, "cp_size", cp_size)
@@ -107,12 +107,12 @@ def initialize_model_parallel(
             "model-parallel groups are already initialized; call "
             "parallel_state.destroy_model_parallel() before initializing again"
         )
-    from parallel_state.bridge import megatron_clash
+    from parallel_state.megatron.bridge import megatron_clash
 
     # Checked before any group exists; it joins the consistency check so no rank is left waiting.
     clash = megatron_clash()
     if check_consistency:
-        from parallel_state.consistency import check_same_everywhere
+        from parallel_state.groups.consistency import check_same_everywhere
 
         # Compared before any local validation, so a rank with a bad argument is named on every
         # rank instead of failing alone and leaving the others waiting.
@@ -175,7 +175,7 @@ def initialize_model_parallel(
 
 def _validated(world: int, tp: Any, cp: Any, pp: Any, *, spelled: dict[str, Any], **kw: Any) -> tuple[Any, ...]:
     """Check every argument's type and value; the plan, vpp, pipeline backend and NCCL options."""
-    from parallel_state import arguments as a
+    from parallel_state.topology import arguments as a
 
     # Each size is named as the caller spelled it.
     tp = a.positive_int("tp_size" if spelled["tp"] is not None else "tensor_model_parallel_size", tp)
@@ -259,7 +259,7 @@ def _sharp_kind(use_sharp: bool, sharp_enabled_group: str | None) -> str | None:
 
 
 def _confirm(error: BaseException | None, timeout: datetime.timedelta) -> None:
-    from parallel_state.consistency import confirm_everywhere
+    from parallel_state.groups.consistency import confirm_everywhere
 
     # A peer that fails spends up to one timeout on the group it cannot build: wait for it.
     confirm_everywhere("initialize_model_parallel group creation", error, timeout=2 * timeout)
@@ -275,7 +275,8 @@ def _comparable_order(order: Any, tp: Any, cp: Any, pp: Any) -> Any:
 
 def _set_companions() -> None:
     """What megatron-core's initialize sets up beside the groups: the memory buffer and the group list."""
-    from parallel_state import memory, process_groups
+    from parallel_state.groups import process_groups
+    from parallel_state.megatron import memory
 
     memory.destroy_global_memory_buffer()  # one set by hand before initialize is replaced, not an error
     memory.set_global_memory_buffer()
@@ -284,7 +285,8 @@ def _set_companions() -> None:
 
 
 def _free_companions() -> None:
-    from parallel_state import memory, process_groups
+    from parallel_state.groups import process_groups
+    from parallel_state.megatron import memory
 
     memory.destroy_global_memory_buffer()
     memory.destroy_global_symmetric_memory_buffer()
@@ -295,7 +297,7 @@ def _bridge_if_megatron_loaded() -> None:
     import sys
 
     if sys.modules.get("megatron.core.parallel_state") is not None:
-        from parallel_state.bridge import bridge_megatron
+        from parallel_state.megatron.bridge import bridge_megatron
 
         bridge_megatron()
 

@@ -11,10 +11,10 @@ import math
 from typing import TYPE_CHECKING, Any
 from xml.sax.saxutils import escape
 
-from parallel_state.plan import TopologyPlan
+from parallel_state.topology.plan import TopologyPlan
 
 if TYPE_CHECKING:
-    from parallel_state.plan_report import SplitReport
+    from parallel_state.tools.plan_report import SplitReport
 
 # Pastel fills with a darker edge of the same hue; neighbouring CP groups get different hues.
 PALETTE: tuple[tuple[str, str], ...] = (

@@ -16,9 +16,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from parallel_state.arguments import positive_int
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
-from parallel_state.grid import DEFAULT_ORDER, DIMS, Grid, normalize_order  # noqa: F401  (re-exported)
+from parallel_state.topology.arguments import positive_int
+from parallel_state.topology.grid import DEFAULT_ORDER, DIMS, Grid, normalize_order  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)

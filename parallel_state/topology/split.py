@@ -12,7 +12,7 @@ import operator
 import sys
 from typing import Any, Sequence
 
-from parallel_state.state import register_teardown_hook
+from parallel_state.groups.state import register_teardown_hook
 
 _MEGATRON = "megatron.core.parallel_state"
 

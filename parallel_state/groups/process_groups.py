@@ -17,8 +17,8 @@ import operator
 import os
 from typing import Any, Iterable, Sequence
 
-from parallel_state.arguments import flag, is_int, optional_str, positive_timedelta
 from parallel_state.errors import ParallelStateError, ParallelStateTypeError, ParallelStateValueError
+from parallel_state.topology.arguments import flag, is_int, optional_str, positive_timedelta
 
 #: The groups ``update_pg_timeout`` updates when given no group; None stands for the default
 #: group (megatron-core's ``_global_process_group_list``, which also starts with None).

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from parallel_state import state as _st
-from parallel_state.answers import ANSWERS, OVERRIDES
+from parallel_state.groups import state as _st
+from parallel_state.megatron.answers import ANSWERS, OVERRIDES
 
 #: megatron-core global -> the answer it holds.
 FROM_ANSWERS: dict[str, str] = {
@@ -66,14 +66,14 @@ EMPTY: dict[str, Callable[[], Any]] = {"_HYBRID_DP_CP_GROUPS": dict}
 
 
 def _process_group_list() -> list[Any] | None:
-    from parallel_state import process_groups
+    from parallel_state.groups import process_groups
 
     groups = process_groups.process_groups()
     return groups if len(groups) > 1 else None  # [None] alone: nothing was created
 
 
 def _memory(name: str) -> Any:
-    from parallel_state import memory
+    from parallel_state.megatron import memory
 
     return getattr(memory, name)
 

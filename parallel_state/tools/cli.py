@@ -2,7 +2,7 @@
 
 ``plan`` sizes a job without starting a process: the groups every rank will be in, each rank's
 coordinates and, for a video latent, how context parallelism splits it. ``demo`` runs the whole
-lifecycle on local CPU ranks (see ``parallel_state.demo``).
+lifecycle on local CPU ranks (see ``parallel_state.tools.demo``).
 
 Exit codes: 0 success; 1 a check failed (``plan``: the latent cannot be split with this cp size;
 ``demo``: a rank's check failed); 2 invalid input. Every error is one line on stderr, never a
@@ -16,8 +16,7 @@ import json
 import sys
 from typing import Any, Sequence
 
-from parallel_state.plan import DEFAULT_ORDER, TopologyPlan
-from parallel_state.plan_report import (  # noqa: F401  (re-exported: the demo's launcher and tests use them)
+from parallel_state.tools.plan_report import (  # noqa: F401  (re-exported: the demo's launcher and tests use them)
     EXIT_CHECK_FAILED,
     EXIT_OK,
     EXIT_USAGE,
@@ -28,6 +27,7 @@ from parallel_state.plan_report import (  # noqa: F401  (re-exported: the demo's
     make_plan,
     split_report,
 )
+from parallel_state.topology.plan import DEFAULT_ORDER, TopologyPlan
 
 PROG = "python -m parallel_state"
 
@@ -144,7 +144,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             raise CliError(f"--view-factor must be >= 1, got {view_factor}")
         split = split_report(plan, shape, patch, view_factor)  # type: ignore[arg-type]
     if args.svg:
-        from parallel_state.layout_svg import write_svg
+        from parallel_state.tools.layout_svg import write_svg
 
         try:
             write_svg(plan, args.svg, split=split)
@@ -163,7 +163,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from parallel_state.demo import run_demo
+    from parallel_state.tools.demo import run_demo
 
     return run_demo(args)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-from parallel_state import state as _st
 from parallel_state.errors import ParallelStateError
+from parallel_state.groups import state as _st
 
 _MEGATRON = "megatron.core.parallel_state"
 
@@ -80,7 +80,7 @@ def bridge_megatron() -> bool:
     clash = megatron_clash()
     if clash is not None:
         raise ParallelStateError(clash)
-    from parallel_state import megatron_globals
+    from parallel_state.megatron import megatron_globals
 
     values = megatron_globals.values()
     # Everything that can fail has run; from here on only assignments.
@@ -93,7 +93,7 @@ def bridge_megatron() -> bool:
         mps.destroy_model_parallel = _routed_megatron_destroy
     _bridged = state
     _st.register_teardown_hook(_unbridge)
-    from parallel_state.split import mirror_cp_size_t
+    from parallel_state.topology.split import mirror_cp_size_t
 
     mirror_cp_size_t()
     return True
@@ -104,7 +104,7 @@ def _follow_overrides() -> None:
     mps = sys.modules.get(_MEGATRON)
     if _bridged is None or mps is None or _st.peek() is not _bridged:
         return
-    from parallel_state import megatron_globals
+    from parallel_state.megatron import megatron_globals
 
     for name in megatron_globals.FROM_OVERRIDES:
         value = megatron_globals.value(name)
@@ -128,7 +128,7 @@ def _unbridge() -> None:
     global _bridged
     mps = sys.modules.get(_MEGATRON)
     if mps is not None:
-        from parallel_state.megatron_globals import EMPTY
+        from parallel_state.megatron.megatron_globals import EMPTY
 
         for name, value in _written.items():
             # Only what still holds our value: megatron-core may have been reset meanwhile.

@@ -14,9 +14,9 @@ from __future__ import annotations
 import datetime
 from typing import Any, Callable
 
-from parallel_state import state as _st
 from parallel_state.errors import ParallelStateError
-from parallel_state.resolve import dist_ready
+from parallel_state.groups import state as _st
+from parallel_state.runtime.resolve import dist_ready
 
 #: The rank order MAGI-1 asks for: context-parallel ranks adjacent, pipeline stages outside them.
 DIST_INIT_ORDER = "tp-cp-pp-dp"
@@ -97,7 +97,7 @@ def _check_sizes(cp: int, pp: int, world: int) -> None:
 
 def _check_existing(cp: int, pp: int, world: int) -> None:
     """The groups already built must be the ones dist_init would build."""
-    from parallel_state.plan import TopologyPlan
+    from parallel_state.topology.plan import TopologyPlan
 
     have = _st.current("dist_init").plan
     want = TopologyPlan(world, cp=cp, pp=pp, order=DIST_INIT_ORDER)
@@ -137,11 +137,11 @@ def dist_init(
     )
     import torch.distributed as dist
 
-    from parallel_state.consistency import check_same_everywhere
-    from parallel_state.initialize import destroy_model_parallel, initialize_model_parallel
-    from parallel_state.launch import detect_launch
-    from parallel_state.log import print_rank_0
-    from parallel_state.manager import check_backend_available, local_cuda_device
+    from parallel_state.groups.consistency import check_same_everywhere
+    from parallel_state.megatron.initialize import destroy_model_parallel, initialize_model_parallel
+    from parallel_state.runtime.launch import detect_launch
+    from parallel_state.runtime.log import print_rank_0
+    from parallel_state.runtime.manager import check_backend_available, local_cuda_device
 
     started = False
     if dist_ready():
@@ -200,7 +200,7 @@ def is_last_rank() -> bool:
 
 def is_last_tp_cp_rank() -> bool:
     """Whether this rank is the last of its tensor-x-context-parallel group."""
-    from parallel_state.accessors import get_tp_rank, get_tp_world_size
+    from parallel_state.megatron.accessors import get_tp_rank, get_tp_world_size
 
     _st.current("is_last_tp_cp_rank")
     return get_tp_rank(with_context_parallel=True) == get_tp_world_size(with_context_parallel=True) - 1

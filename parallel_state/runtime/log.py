@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from parallel_state.resolve import dist_ready, resolve_global_rank
+from parallel_state.runtime.resolve import dist_ready, resolve_global_rank
 
 
 def _log(message: object) -> None:

@@ -19,15 +19,15 @@ import warnings
 from contextlib import nullcontext
 from typing import Any, Callable, Optional, Sequence
 
-from parallel_state.arguments import is_int
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
+from parallel_state.topology.arguments import is_int
 
 
 def _default_device() -> Any:
     """The collective device in a distributed run, else the CPU."""
     import torch
 
-    from parallel_state.resolve import collective_device, dist_ready
+    from parallel_state.runtime.resolve import collective_device, dist_ready
 
     return collective_device() if dist_ready() else torch.device("cpu")
 
@@ -214,6 +214,6 @@ def destroy_global_symmetric_memory_buffer() -> None:
 
 def _set_global_symmetric_memory_buffer() -> None:
     """megatron-core's private spelling, called by its dynamic inference context: over the tensor-parallel group."""
-    from parallel_state.accessors import get_tensor_model_parallel_group
+    from parallel_state.megatron.accessors import get_tensor_model_parallel_group
 
     set_global_symmetric_memory_buffer(get_tensor_model_parallel_group())

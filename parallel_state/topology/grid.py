@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from parallel_state.arguments import is_int, positive_int
 from parallel_state.errors import ParallelStateError, ParallelStateTypeError
+from parallel_state.topology.arguments import is_int, positive_int
 
 #: Megatron's dimension tokens and its default order.
 DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")

@@ -11,7 +11,7 @@ for every order; a mesh line that disagrees with the plan or with a group is sti
 ``fsdp_mesh(shard_size)`` is the 2-D ("replicate", "shard") mesh FSDP2 wants for hybrid
 sharding over this rank's data-parallel-with-context-parallel ranks. Its groups are existing
 ones where the ranks match (the dp-cp group itself, the cp or dp group, ...); any other is
-created members-only through ``parallel_state.groups.GroupBatch``, under a counter span that is
+created members-only through ``parallel_state.groups.create.GroupBatch``, under a counter span that is
 a function of the plan and ``shard_size`` only, and is freed by ``destroy_model_parallel()``.
 
 Both are built on first call and cached until ``destroy_model_parallel()``, whose teardown hook
@@ -26,8 +26,8 @@ from __future__ import annotations
 import operator
 from typing import TYPE_CHECKING, Any, Iterator
 
-from parallel_state import state as _st
 from parallel_state.errors import ParallelStateError, ParallelStateTypeError
+from parallel_state.groups import state as _st
 
 if TYPE_CHECKING:  # only for annotations: importing parallel_state must not import torch
     from torch.distributed.device_mesh import DeviceMesh
@@ -149,7 +149,7 @@ def device_mesh(device_type: str | None = None) -> DeviceMesh:
         return mesh
     from torch.distributed.device_mesh import DeviceMesh
 
-    from parallel_state import accessors
+    from parallel_state.megatron import accessors
 
     plan, rank = state.plan, state.rank
     groups = {"pp": accessors.get_pipeline_model_parallel_group(), "dp": accessors.get_data_parallel_group(),
@@ -177,7 +177,7 @@ _REUSABLE: tuple[tuple[str, str, dict[str, bool]], ...] = (
 
 def _existing_group(state: Any, ranks: tuple[int, ...]) -> Any:
     """The live group holding exactly ``ranks`` in that order, or None."""
-    from parallel_state import accessors
+    from parallel_state.megatron import accessors
 
     for kind, getter, kwargs in _REUSABLE:
         if state.plan.group_ranks(kind, state.rank) == ranks:
@@ -275,8 +275,8 @@ def _world_fsdp_groups(plan: Any, size: int, sort: str) -> Iterator[tuple[int, .
 def _build_fsdp_groups(state: Any, size: int) -> tuple[Any, Any]:
     """This rank's (replicate, shard) groups for ``size``: reused, or created members-only; all ranks or none."""
     global _owner
-    from parallel_state.consistency import check_same_everywhere, confirm_everywhere
-    from parallel_state.groups import GroupBatch, destroy_groups
+    from parallel_state.groups.consistency import check_same_everywhere, confirm_everywhere
+    from parallel_state.groups.create import GroupBatch, destroy_groups
 
     plan = state.plan
     # Before any group, so that a rank called with another shard_size is named on every rank
@@ -378,7 +378,7 @@ def _drop() -> None:
         return
     import torch.distributed as dist
 
-    from parallel_state.groups import destroy_groups
+    from parallel_state.groups.create import destroy_groups
 
     meshes = [*_meshes.values(), *_fsdp_meshes.values()]
     _meshes.clear()
