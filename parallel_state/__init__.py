@@ -23,6 +23,7 @@ from parallel_state.errors import (  # noqa: F401
     ParallelStateValueError,
     ParallelStateWarning,
 )
+from parallel_state.groups.hierarchical import create_hierarchical_groups, create_hybrid_dp_cp_groups  # noqa: F401
 from parallel_state.groups.nccl import get_nccl_options, overwrite_nccl_comm_cfgs  # noqa: F401
 from parallel_state.groups.process_groups import create_group, is_torch_min_version, update_pg_timeout  # noqa: F401
 from parallel_state.groups.state import register_teardown_hook  # noqa: F401
@@ -115,6 +116,7 @@ from parallel_state.megatron.accessors import (  # noqa: F401  (re-exported API)
     set_virtual_pipeline_model_parallel_world_size,
 )
 from parallel_state.megatron.bridge import bridge_megatron  # noqa: F401
+from parallel_state.megatron.cp_size_t import find_split  # noqa: F401
 from parallel_state.megatron.initialize import destroy_model_parallel, initialize_model_parallel  # noqa: F401
 from parallel_state.megatron.memory import (  # noqa: F401
     GlobalMemoryBuffer,
@@ -142,13 +144,7 @@ from parallel_state.topology.plan import (  # noqa: F401
     default_embedding_ranks,
     default_position_embedding_ranks,
 )
-from parallel_state.topology.rank_generator import (  # noqa: F401
-    RankGenerator,
-    create_hierarchical_groups,
-    create_hybrid_dp_cp_groups,
-    generate_masked_orthogonal_rank_groups,
-)
-from parallel_state.topology.split import find_split  # noqa: F401
+from parallel_state.topology.rank_generator import RankGenerator, generate_masked_orthogonal_rank_groups  # noqa: F401
 
 
 def __getattr__(name: str) -> object:

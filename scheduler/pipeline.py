@@ -10,15 +10,18 @@ traffic goes over this rank's pipeline group. The one scheduler of the process i
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any, Sequence
 
 import parallel_state as ps
-from parallel_state.errors import ParallelStateError, ParallelStateWarning
-from parallel_state.groups import state as _st
+from parallel_state import ParallelStateError, ParallelStateWarning
 
 if TYPE_CHECKING:
     import torch
+
+#: Every PPScheduler whose groups are alive: the teardown hook marks them dead.
+_INSTANCES: weakref.WeakSet[PPScheduler] = weakref.WeakSet()
 
 _INIT_HINT = "call parallel_state.dist_init(...) (or initialize_model_parallel with pipeline_model_parallel_size > 1) first"
 
@@ -34,15 +37,16 @@ class PPScheduler:
         import torch
         import torch.distributed as dist
 
-        state = _st.peek()
-        if state is None:
+        if not ps.is_initialized():
             raise ParallelStateError(f"the pipeline scheduler is not initialized: {_INIT_HINT}")
         if ps.get_pipeline_model_parallel_world_size() < 2:
             raise ParallelStateError(
                 "the pipeline has a single stage (pipeline_model_parallel_size=1), so a PPScheduler has "
                 "no neighbour to talk to; initialize with pp_size > 1"
             )
-        self._state = state
+        # Cleared by destroy_model_parallel() (the teardown hook below): the groups die with it.
+        self._live = True
+        _INSTANCES.add(self)
         self.group = ps.get_pipeline_model_parallel_group()
         self.next_rank: int = ps.get_pipeline_model_parallel_next_rank()
         self.prev_rank: int = ps.get_pipeline_model_parallel_prev_rank()
@@ -52,7 +56,7 @@ class PPScheduler:
         self.recv_queue: deque[tuple[Any, torch.Tensor]] = deque()
 
     def _check_live(self) -> None:
-        if _st.peek() is not self._state:
+        if not self._live:
             raise ParallelStateError(
                 "this PPScheduler belongs to model-parallel groups that destroy_model_parallel() has "
                 "destroyed; get the current one with scheduler.pp_scheduler()"
@@ -159,9 +163,11 @@ def _on_dist_init() -> None:
 
 def _on_teardown() -> None:
     global _scheduler
-    sched, _scheduler = _scheduler, None
-    if sched is not None:
+    _scheduler = None
+    for sched in list(_INSTANCES):
+        sched._live = False
         sched._discard_pending()
+    _INSTANCES.clear()
 
 
 ps.register_dist_init_hook(_on_dist_init)

@@ -338,7 +338,7 @@ def _groups_and_timeouts(expected_hier, expected_hybrid):
     from torch.distributed import distributed_c10d as c10d
 
     from parallel_state.groups import process_groups as pgs
-    from parallel_state.topology.rank_generator import create_hierarchical_groups, create_hybrid_dp_cp_groups
+    from parallel_state.groups.hierarchical import create_hierarchical_groups, create_hybrid_dp_cp_groups
 
     me = dist.get_rank()
     original = _gloo_timeout(c10d._get_default_group())

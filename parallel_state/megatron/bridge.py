@@ -93,7 +93,7 @@ def bridge_megatron() -> bool:
         mps.destroy_model_parallel = _routed_megatron_destroy
     _bridged = state
     _st.register_teardown_hook(_unbridge)
-    from parallel_state.topology.split import mirror_cp_size_t
+    from parallel_state.megatron.cp_size_t import mirror_cp_size_t
 
     mirror_cp_size_t()
     return True

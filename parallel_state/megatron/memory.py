@@ -22,14 +22,25 @@ from typing import Any, Callable, Optional, Sequence
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
 from parallel_state.topology.arguments import is_int
 
+#: Where the buffers go by default. Only the runtime layer knows the collective device (it asks the
+#: DistributedManager, torch.distributed and the launcher), and this layer must not import it, so
+#: ``runtime.resolve`` installs its answer here when imported, which ``import parallel_state`` does.
+_device_resolver: Callable[[], Any] | None = None
+
+
+def set_device_resolver(resolver: Callable[[], Any]) -> None:
+    """Make ``resolver()`` the device that buffers allocate on by default (``runtime.resolve`` calls this)."""
+    global _device_resolver
+    _device_resolver = resolver
+
 
 def _default_device() -> Any:
     """The collective device in a distributed run, else the CPU."""
+    if _device_resolver is not None:
+        return _device_resolver()
     import torch
 
-    from parallel_state.runtime.resolve import collective_device, dist_ready
-
-    return collective_device() if dist_ready() else torch.device("cpu")
+    return torch.device("cpu")
 
 
 def _numel(tensor_shape: Any) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from parallel_state.megatron import memory
 from parallel_state.runtime.launch import named_launcher, read_launcher_int
 from parallel_state.runtime.manager import DistributedManager, local_cuda_device
 
@@ -77,3 +78,13 @@ def collective_device() -> Any:
     if launcher is not None:
         return local_cuda_device(read_launcher_int(launcher, "local_rank"))
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def _buffer_device() -> Any:
+    """Where megatron-core's memory buffers go: the collective device in a distributed run, else the CPU."""
+    import torch
+
+    return collective_device() if dist_ready() else torch.device("cpu")
+
+
+memory.set_device_resolver(_buffer_device)

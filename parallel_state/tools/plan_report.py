@@ -6,12 +6,12 @@ Kept apart from ``cli`` (the parser and the printing) so that ``cli``, ``demo`` 
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from parallel_state.errors import ParallelStateError
 from parallel_state.topology.plan import TopologyPlan
+from parallel_state.topology.split import split_latent
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -74,30 +74,14 @@ class SplitReport:
         return None if self.cp_size_t is None else self.cp_size // self.cp_size_t
 
 
-_MISSING = object()
-
-
 def find_split_quietly(shape: Sequence[int], cp_size: int, patch: Sequence[int], view_factor: int
                        ) -> tuple[tuple[int, ...], int]:
-    """``find_split``'s result and ``cp_size_t``, leaving every recorded ``cp_size_t`` as it was.
+    """``find_split``'s result and ``cp_size_t``, recording nothing.
 
-    ``plan`` only reports; it must not leave a value behind for code that runs after it in the
-    same process (tests call the CLI in-process), neither in ``parallel_state`` nor in the
-    ``megatron.core.parallel_state`` copy that find_split keeps when megatron-core is loaded.
+    ``plan`` only reports; it must not leave a ``cp_size_t`` behind for code that runs after it in
+    the same process (tests call the CLI in-process), so it asks the arithmetic, not ``find_split``.
     """
-    import parallel_state as ps
-
-    modules = [m for m in (ps, sys.modules.get("megatron.core.parallel_state")) if m is not None]
-    saved = [(m, vars(m).get("cp_size_t", _MISSING)) for m in modules]
-    try:
-        out = ps.find_split(list(shape), cp_size, patch_values=tuple(patch), view_factor=view_factor)
-        return tuple(int(v) for v in out), int(ps.cp_size_t)
-    finally:
-        for module, value in saved:
-            if value is _MISSING:
-                vars(module).pop("cp_size_t", None)
-            else:
-                module.cp_size_t = value
+    return split_latent(list(shape), cp_size, patch_values=tuple(patch), view_factor=view_factor)
 
 
 def split_report(plan: TopologyPlan, shape: tuple[int, ...], patch: tuple[int, int, int],

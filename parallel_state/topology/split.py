@@ -1,20 +1,16 @@
-"""``find_split``: how context parallelism divides a video latent, and the ``cp_size_t`` it records.
+"""How context parallelism divides a video latent: the arithmetic behind ``find_split``.
 
-Pure integer arithmetic: usable before, after or without process groups. The temporal axis is
-split first because a temporal split keeps every frame whole; what is left of ``cp_size`` splits
-the height; the width is never split.
+Pure integer arithmetic: usable before, after or without process groups, and it records nothing
+(``parallel_state.megatron.cp_size_t.find_split`` records the temporal factor as ``cp_size_t``).
+The temporal axis is split first because a temporal split keeps every frame whole; what is left of
+``cp_size`` splits the height; the width is never split.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-import sys
 from typing import Any, Sequence
-
-from parallel_state.groups.state import register_teardown_hook
-
-_MEGATRON = "megatron.core.parallel_state"
 
 
 def _int(name: str, value: Any) -> int:
@@ -50,22 +46,15 @@ def _working_cp_sizes(t_patched: int, h_patched: int, cp_size: int) -> list[int]
     return below + above
 
 
-def find_split(
+def split_latent(
     shape: Sequence[int],
     cp_size: int,
     patch_values: Sequence[int] = (1, 2, 2),
     view_factor: int = 1,
-) -> Any:
-    """Split a [B, C, T, H, W] latent over ``cp_size`` context-parallel ranks; return ``torch.Size([T', H', W])``.
+) -> tuple[tuple[int, int, int], int]:
+    """``find_split``'s answer without recording it: the per-rank ``(T', H', W)`` and the temporal factor.
 
-    The temporal factor is ``gcd(T // view_factor // pT, cp_size)``; the rest of ``cp_size``
-    must divide the patched height ``H // pH`` and splits it; the width is never split.
-    ``T' = (T // view_factor) // temporal factor`` and ``H' = H // height factor`` are per-rank
-    sizes in latent (unpatched) units. Records the temporal factor as ``parallel_state.cp_size_t``
-    (and ``megatron.core.parallel_state.cp_size_t`` when that module is loaded) until the next
-    ``destroy_model_parallel()``. Raises ValueError for a shape that is not 5-D, T not divisible
-    by ``view_factor``, T or H not divisible by their patch size, ``cp_size`` < 1, or a plan that
-    would have to split the width; TypeError for non-integers.
+    Same rule and same errors as :func:`parallel_state.find_split`.
     """
     if hasattr(shape, "dim") and hasattr(shape, "shape"):  # a tensor, not its shape
         raise TypeError("find_split: pass the latent's shape (x.shape), not the tensor itself")
@@ -111,35 +100,4 @@ def find_split(
             f"{tuple(dims)} with patch_values={tuple(patches)}, view_factor={view_factor}: "
             f"{_working_cp_sizes(t_patched, h_patched, cp_size)}"
         )
-    import torch
-
-    _record_cp_size_t(cp_t)
-    return torch.Size([t_view // cp_t, h // cp_h, w])
-
-
-def _record_cp_size_t(value: int) -> None:
-    import parallel_state
-
-    parallel_state.cp_size_t = value
-    mirror_cp_size_t()
-
-
-def mirror_cp_size_t() -> None:
-    """Copy ``parallel_state.cp_size_t`` (when set) to megatron-core's module, when that is loaded."""
-    pkg = sys.modules.get("parallel_state")
-    megatron = sys.modules.get(_MEGATRON)
-    if pkg is None or megatron is None or "cp_size_t" not in vars(pkg):
-        return
-    megatron.cp_size_t = pkg.cp_size_t
-
-
-def _forget_cp_size_t() -> None:
-    # destroy_model_parallel() removes cp_size_t, ours and megatron-core's copy, so that a rebuilt
-    # topology never reads a stale value.
-    for name in ("parallel_state", _MEGATRON):
-        module = sys.modules.get(name)
-        if module is not None and "cp_size_t" in vars(module):
-            delattr(module, "cp_size_t")
-
-
-register_teardown_hook(_forget_cp_size_t)
+    return (t_view // cp_t, h // cp_h, w), cp_t
