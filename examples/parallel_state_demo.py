@@ -1,10 +1,11 @@
 """The rank program of ``python -m parallel_state demo``: the project's main job, on every rank.
 
-It uses all three packages (``parallel_state``, ``cp``, ``scheduler``), so it lives outside them:
-``parallel_state`` must never import ``cp`` or ``scheduler``. ``python -m parallel_state demo``
-starts it with torch.distributed's elastic launcher; it also runs under torchrun directly::
+It uses all three packages (``parallel_state``, ``cp``, ``scheduler``), so it lives outside them
+(``parallel_state`` must never import ``cp`` or ``scheduler``), in the checkout's ``examples/``,
+next to its model ``demo_dit.py``. ``python -m parallel_state demo`` starts it with
+torch.distributed's elastic launcher; it also runs under torchrun directly, from the checkout::
 
-    GLOO_SOCKET_IFNAME=lo torchrun --nproc-per-node 4 --master-addr 127.0.0.1 -m parallel_state_demo
+    GLOO_SOCKET_IFNAME=lo torchrun --nproc-per-node 4 --master-addr 127.0.0.1 examples/parallel_state_demo.py
 
 For each of two topologies (cp x pp, then another after a full teardown) every rank: builds the
 groups with ``dist_init`` and checks them against the pure plan; plans the latent with

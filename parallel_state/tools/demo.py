@@ -1,9 +1,11 @@
 """``python -m parallel_state demo``: validate the request, then start the ranks with PyTorch's launcher.
 
-The rank program is the top-level module ``parallel_state_demo`` (next to this package in the
-source tree), not a module of this package: it uses ``cp`` and ``scheduler``, which depend on
-``parallel_state``, never the other way round. This module only launches it, by module name, in
-worker processes started by ``torch.distributed``'s elastic agent; it never imports it.
+The rank program is ``examples/parallel_state_demo.py`` (with its model, ``examples/demo_dit.py``)
+in the source checkout, not a module of this package: it uses ``cp`` and ``scheduler``, which
+depend on ``parallel_state``, never the other way round, and as an example it does not belong in
+site-packages. This module only launches it, by path, in worker processes started by
+``torch.distributed``'s elastic agent; it never imports it. So the demo runs from a clone after
+``pip install -e .``; an installed wheel has no examples and says so.
 
 Everything binds to 127.0.0.1: the launcher's TCPStore listens on a socket bound to loopback
 before the agent starts (the agent's static rendezvous reuses it through ``multi_tenant``), the
@@ -15,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import importlib.util
 import logging
 import os
 import signal
@@ -35,7 +36,8 @@ from parallel_state.tools.plan_report import (
     split_report,
 )
 
-RANK_MODULE = "parallel_state_demo"
+#: The rank program, relative to the checkout's root.
+RANK_PROGRAM = os.path.join("examples", "parallel_state_demo.py")
 #: dist_init's layout; with cp * pp == world size it equals Megatron's default.
 DEMO_ORDER = "tp-cp-pp-dp"
 
@@ -111,14 +113,17 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 
 def _source_root() -> str:
     """The directory that holds this ``parallel_state`` package (a clone's root after ``pip install -e .``)."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # parallel_state/tools/demo.py
+    return os.path.dirname(package)
 
 
-def _check_rank_program(root: str) -> None:
-    if os.path.exists(os.path.join(root, f"{RANK_MODULE}.py")) or importlib.util.find_spec(RANK_MODULE):
-        return
-    raise CliError(f"the demo's rank program (module {RANK_MODULE}) is not installed next to parallel_state in "
-                   f"{root}; run the demo from a clone of the project after 'pip install -e .'")
+def _rank_program(root: str) -> str:
+    """The rank program's path, or an error saying where it is expected and how to get it."""
+    path = os.path.join(root, RANK_PROGRAM)
+    if os.path.isfile(path):
+        return path
+    raise CliError(f"the demo's rank program {RANK_PROGRAM} is not in {root}: it ships with the source, not the "
+                   f"wheel; run the demo from a clone of the project after 'pip install -e .'")
 
 
 @contextlib.contextmanager
@@ -207,7 +212,7 @@ def run_demo(args: argparse.Namespace) -> int:
     """Launch the demo's ranks and return the exit code (0 only when every check on every rank passed)."""
     config = config_from_args(args)
     root = _source_root()
-    _check_rank_program(root)
+    program = _rank_program(root)
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -230,7 +235,7 @@ def run_demo(args: argparse.Namespace) -> int:
     start = time.monotonic()
     try:
         with _environment(**env), _quiet_elastic_logs(), _deadline(config.timeout):
-            elastic_launch(launch, sys.executable)("-m", RANK_MODULE, *config.rank_args())
+            elastic_launch(launch, sys.executable)(program, *config.rank_args())
     except ChildFailedError as exc:
         raise CliError(f"demo FAILED: {_failure_line(exc)} (each failing rank printed its reason above)",
                        EXIT_CHECK_FAILED) from None
