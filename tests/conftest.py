@@ -1,4 +1,11 @@
-"""Shared fixtures: session-wide pools of real gloo ranks, one pool per world size."""
+"""Shared fixtures: session-wide pools of real gloo ranks, one pool per world size.
+
+The test files follow the package's layers by name prefix: ``test_topology_*``, ``test_groups_*``,
+``test_megatron_*``, ``test_runtime*``, ``test_tools_*``, then ``test_cp*`` and ``test_scheduler``
+for the two packages on top, and ``test_layout`` / ``test_docs`` for the project as a whole.
+Helpers shared across them live here and in ``rankpool.py``, ``cpgroups.py``, ``fakeworld.py`` and
+the ``launch_*.py`` programs that tests start under real launchers.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Run under ``mpirun -np 4`` (Open MPI); driven by tests/test_mesh.py.
+"""Run under ``mpirun -np 4`` (Open MPI); driven by tests/test_runtime_mesh.py.
 
 DistributedManager.initialize() must recognise the Open MPI launch from OMPI_COMM_WORLD_* alone
 (no torchrun variables, no MASTER_ADDR: one node means the loopback address), then dist_init
