@@ -10,6 +10,56 @@ import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = ("topology", "groups", "megatron", "runtime", "tools")
+#: Every name ``parallel_state`` offered before the layers (its modules aside, which are internal).
+PUBLIC = """
+    DEFAULT_ORDER DistributedManager GlobalMemoryBuffer GlobalSymmetricMemoryBuffer LaunchInfo
+    ParallelStateAssertionError ParallelStateError ParallelStateTypeError ParallelStateValueError
+    ParallelStateWarning RankGenerator TopologyPlan _set_global_symmetric_memory_buffer bridge_megatron
+    collective_device create_group create_hierarchical_groups create_hybrid_dp_cp_groups default_embedding_ranks
+    default_position_embedding_ranks destroy_global_memory_buffer destroy_global_symmetric_memory_buffer
+    destroy_model_parallel detect_launch device_mesh dist_init find_split fsdp_mesh
+    generate_masked_orthogonal_rank_groups get_all_ranks get_amax_reduction_group
+    get_context_parallel_global_ranks get_context_parallel_group get_context_parallel_rank
+    get_context_parallel_world_size get_cp_group get_cp_rank get_cp_world_size
+    get_data_modulo_expert_parallel_group get_data_parallel_group get_data_parallel_group_gloo
+    get_data_parallel_rank get_data_parallel_src_rank get_data_parallel_world_size get_dp_group
+    get_dp_group_gloo get_dp_rank get_dp_world_size get_embedding_group get_expert_data_parallel_group
+    get_expert_data_parallel_group_gloo get_expert_data_parallel_rank get_expert_data_parallel_world_size
+    get_expert_model_parallel_group get_expert_model_parallel_rank get_expert_model_parallel_src_rank
+    get_expert_model_parallel_world_size get_expert_tensor_and_model_parallel_group
+    get_expert_tensor_and_model_parallel_rank get_expert_tensor_and_model_parallel_world_size
+    get_expert_tensor_model_pipeline_parallel_group get_expert_tensor_parallel_group
+    get_expert_tensor_parallel_rank get_expert_tensor_parallel_world_size get_global_memory_buffer
+    get_global_symmetric_memory_buffer get_hierarchical_context_parallel_groups
+    get_hybrid_data_context_parallel_groups get_inter_distributed_optimizer_instance_group
+    get_intra_distributed_optimizer_instance_group get_model_parallel_group get_model_parallel_src_rank
+    get_nccl_options get_pipeline_model_parallel_first_rank get_pipeline_model_parallel_group
+    get_pipeline_model_parallel_last_rank get_pipeline_model_parallel_next_rank
+    get_pipeline_model_parallel_prev_rank get_pipeline_model_parallel_rank
+    get_pipeline_model_parallel_world_size get_position_embedding_group get_pp_group get_pp_rank
+    get_pp_world_size get_tensor_and_context_parallel_group get_tensor_and_context_parallel_rank
+    get_tensor_and_context_parallel_world_size get_tensor_and_data_parallel_group
+    get_tensor_model_parallel_group get_tensor_model_parallel_last_rank get_tensor_model_parallel_rank
+    get_tensor_model_parallel_ranks get_tensor_model_parallel_src_rank get_tensor_model_parallel_world_size
+    get_tp_group get_tp_rank get_tp_world_size get_virtual_pipeline_model_parallel_rank
+    get_virtual_pipeline_model_parallel_world_size has_separate_all_gather_group initialize_model_parallel
+    is_initialized is_last_rank is_last_tp_cp_rank is_pipeline_first_stage is_pipeline_last_stage
+    is_rank_in_embedding_group is_rank_in_position_embedding_group is_torch_min_version is_unitialized
+    model_parallel_is_initialized overwrite_nccl_comm_cfgs print_per_rank print_rank_0 register_dist_init_hook
+    register_teardown_hook resolve_global_rank resolve_world_size set_data_parallel_rank
+    set_expert_model_parallel_rank set_expert_model_parallel_world_size set_expert_tensor_parallel_rank
+    set_expert_tensor_parallel_world_size set_pipeline_model_parallel_rank
+    set_pipeline_model_parallel_world_size set_tensor_model_parallel_rank set_tensor_model_parallel_world_size
+    set_virtual_pipeline_model_parallel_rank set_virtual_pipeline_model_parallel_world_size timedelta
+    update_pg_timeout
+""".split()
+
+
+def test_every_public_name_of_the_flat_layout_is_still_importable():
+    import parallel_state
+
+    missing = [n for n in PUBLIC if not hasattr(parallel_state, n)]
+    assert len(PUBLIC) == 131 and not missing, missing
 
 
 def test_wheel_installs_only_parallel_state_cp_and_scheduler(tmp_path):
