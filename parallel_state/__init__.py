@@ -1,16 +1,14 @@
 """A Megatron-compatible parallel-state service: context- and pipeline-parallel process groups.
 
 Mirrors ``megatron.core.parallel_state`` 0.16: every public name, its arguments, defaults,
-answers and rank layout. The pieces: ``grid`` / ``plan`` (pure topology arithmetic: every group
-kind as a row of one table), ``state`` (the one live state object and its lifecycle),
-``groups`` (members-only group creation), ``answers`` / ``accessors`` / ``compiled``
-(precomputed answers, Megatron's getters, their one-read hot paths), ``megatron_globals``
-(megatron-core's private globals, read through this package's ``__getattr__``), ``bridge``
-(megatron-core reads our groups), ``rank_generator``, ``process_groups``, ``nccl``, ``memory``
-(megatron-core's utilities), ``split`` (``find_split`` and ``cp_size_t``), ``mesh`` (DeviceMesh
-views for DTensor / FSDP2). The runtime: ``launch`` (launcher detection), ``manager``
-(DistributedManager), ``resolve`` (rank / world size / collective device), ``runtime``
-(dist_init), ``log`` (print helpers).
+answers and rank layout. The names are re-exported here from five layers, each importing only
+those below it (``lint-imports`` checks it; see docs/architecture.md): ``topology`` (pure
+arithmetic: the plan of every group kind, ``RankGenerator``, the latent split), ``groups``
+(creating, checking and destroying torch process groups; the live state), ``megatron``
+(``initialize_model_parallel``, precomputed answers and megatron-core's accessors, its private
+globals, the bridge, memory buffers, ``find_split`` / ``cp_size_t``), ``runtime`` (``dist_init``,
+launchers, ``DistributedManager``, the resolvers, DeviceMesh views, logging) and ``tools``
+(``python -m parallel_state``), with the exceptions in ``errors``.
 """
 
 #: megatron-core re-exports it from its module; code reaches it there.
