@@ -120,7 +120,7 @@ def case_mismatch(odd_rank, odd_kwargs, kwargs):
      dict(cp_size=2, hierarchical_context_parallel_sizes=[2, 1]), ["hierarchical_context_parallel_sizes=[1, 2]"]),
     (dict(num_distributed_optimizer_instances=2), dict(), ["num_distributed_optimizer_instances=2"]),
     (dict(pp_size=2, get_embedding_ranks=_stray_embedding_ranks), dict(pp_size=2),
-     ["get_embedding_ranks='test_reliability._stray_embedding_ranks'"]),
+     ["get_embedding_ranks='test_groups_reliability._stray_embedding_ranks'"]),
 ], ids=["cp", "str-size", "order", "gloo-flag", "ep", "hierarchical", "instances", "embedding-ranks"])
 def test_a_mismatch_raises_on_every_rank_naming_ranks_and_values(pools, odd, kwargs, expected):
     results = pools(4).run(case_mismatch, 3, odd, kwargs)
