@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import subprocess
@@ -81,3 +82,15 @@ def test_wheel_installs_only_parallel_state_cp_and_scheduler(tmp_path):
     for layer in LAYERS:
         assert f"parallel_state/{layer}/__init__.py" in names, layer
     assert not [n for n in names if "demo_dit" in n or "parallel_state_demo" in n]
+
+
+def test_no_exec_or_eval_in_the_packages():
+    import ast
+
+    calls = []
+    for package in ("parallel_state", "cp", "scheduler"):
+        for path in sorted(glob.glob(os.path.join(ROOT, package, "**", "*.py"), recursive=True)):
+            for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("exec", "eval"):
+                    calls.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    assert not calls, calls

@@ -18,19 +18,14 @@ from parallel_state.megatron.answers import lookup as _lookup
 from parallel_state.megatron.compiled import compile_accessor
 from parallel_state.topology.arguments import flag, non_negative_int, positive_int
 
-#: reference accessor -> its fast path (argument values -> answer key), compiled at the end of the module.
-_FAST: dict[Callable[..., Any], dict[tuple[tuple[str, Any], ...], str]] = {}
-_CP = (("with_context_parallel", True),)
+#: reference accessor -> its fast path (variant -> answer key), compiled at the end of the module.
+_FAST: dict[Callable[..., Any], dict[str, str]] = {}
 
 
 def _fast(fn: Callable[..., Any], **variants: str) -> Callable[..., Any]:
     """Record ``fn``'s fast path: ``default=KEY`` for its default arguments; ``cp``, ``cp_partial``,
-    ``cp_all_gather``, ``partial``, ``tp_only``, ``cp_tp_only`` for those flags turned on."""
-    flags = {"default": (), "cp": _CP, "cp_partial": _CP + (("partial_data_parallel", True),),
-             "cp_all_gather": _CP + (("independent_all_gather", True),),
-             "partial": (("partial_expert_data_parallel", True),), "tp_only": (("tp_only_amax_red", True),),
-             "cp_tp_only": _CP + (("tp_only_amax_red", True),)}
-    _FAST[fn] = {flags[name]: key for name, key in variants.items()}
+    ``cp_all_gather``, ``partial``, ``tp_only``, ``cp_tp_only`` for those flags turned on (see ``compiled``)."""
+    _FAST[fn] = variants
     return fn
 
 

@@ -1,0 +1,47 @@
+"""The accessors' fast twins (``megatron.compiled``): the answer when there is one, else the reference; bad specs refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallel_state.megatron import compiled
+from parallel_state.megatron.answers import ANSWERS
+
+
+def _reference(with_context_parallel=False, partial_data_parallel=False):
+    """The reference: says which arguments it got."""
+    return ("reference", with_context_parallel, partial_data_parallel)
+
+
+def test_fast_twin_reads_answers_and_falls_back_to_the_reference():
+    fast = compiled.compile_accessor(_reference, {"default": "test.default", "cp": "test.cp"}, name="probe")
+    assert (fast.__name__, fast.__doc__) == ("probe", _reference.__doc__)
+    assert fast() == ("reference", False, False)  # no answer yet
+    ANSWERS.update({"test.default": "d", "test.cp": "c"})
+    try:
+        compiled.refresh()
+        assert fast() == fast(False) == fast(0, None) == "d"
+        assert fast(with_context_parallel=True) == "c"
+        # A variant without a fast answer, and a truthy non-True flag, reach the reference.
+        assert fast(True, True) == ("reference", True, True)
+        assert fast(1) == ("reference", 1, False)
+    finally:
+        del ANSWERS["test.default"], ANSWERS["test.cp"]
+        compiled.refresh()
+    assert fast() == ("reference", False, False)  # emptied again
+
+
+def test_compile_accessor_refuses_what_it_has_no_template_for():
+    def odd(group_size=None):
+        return group_size
+
+    with pytest.raises(ValueError, match=r"odd: no fast-path template for the parameters \['group_size'\]"):
+        compiled.compile_accessor(odd, {"default": "x"})
+
+    def other_default(with_context_parallel=True):
+        return with_context_parallel
+
+    with pytest.raises(ValueError, match="other_default: the template _t_cp has other defaults"):
+        compiled.compile_accessor(other_default, {"default": "x"})
+    with pytest.raises(ValueError, match="_reference: the template _t_dp has no variant 'partial'"):
+        compiled.compile_accessor(_reference, {"partial": "x"})
