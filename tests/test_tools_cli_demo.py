@@ -128,3 +128,12 @@ def test_demo_namespace_defaults_match_the_issue():
     config = config_from_args(args)
     assert config.nproc == 4 and config.topologies == ((2, 2), (4, 1))
     assert config.latent == (1, 16, 24, 88, 160) and config.patch == (1, 2, 2)
+
+
+def test_the_rank_program_is_found_in_the_checkout_and_missing_it_is_explained(tmp_path):
+    from parallel_state.tools import demo
+    from parallel_state.tools.plan_report import CliError
+
+    assert demo._rank_program(ROOT) == os.path.join(ROOT, "examples", "parallel_state_demo.py")
+    with pytest.raises(CliError, match=r"examples/parallel_state_demo.py is not in .*: it ships with the source"):
+        demo._rank_program(str(tmp_path))  # what a wheel install has: no examples next to the package
