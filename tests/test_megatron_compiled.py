@@ -45,3 +45,20 @@ def test_compile_accessor_refuses_what_it_has_no_template_for():
         compiled.compile_accessor(other_default, {"default": "x"})
     with pytest.raises(ValueError, match="_reference: the template _t_dp has no variant 'partial'"):
         compiled.compile_accessor(_reference, {"partial": "x"})
+
+
+def test_a_keyword_only_extension_stays_keyword_only():
+    def src_rank(*, with_context_parallel=False):
+        return ("reference", with_context_parallel)
+
+    fast = compiled.compile_accessor(src_rank, {"default": "test.kw", "cp": "test.kw-cp"})
+    ANSWERS.update({"test.kw": 0, "test.kw-cp": 2})
+    try:
+        compiled.refresh()
+        assert (fast(), fast(with_context_parallel=True)) == (0, 2)
+        with pytest.raises(TypeError):
+            fast(True)  # positional: refused, as by the reference
+    finally:
+        del ANSWERS["test.kw"], ANSWERS["test.kw-cp"]
+        compiled.refresh()
+    assert fast(with_context_parallel=True) == ("reference", True)

@@ -79,6 +79,18 @@ def _t_cp_ci(with_context_parallel=False, check_initialized=True):
     return reference(with_context_parallel, check_initialized)
 
 
+def _t_kw_cp(*, with_context_parallel=False):
+    # A keyword-only extension of an accessor megatron-core has without arguments.
+    try:
+        if not with_context_parallel:
+            return a_default
+        if with_context_parallel is True:
+            return a_cp
+    except NameError:
+        pass
+    return reference(with_context_parallel=with_context_parallel)
+
+
 def _t_ci_cp(check_initialized=True, with_context_parallel=False):
     try:
         if not with_context_parallel:
@@ -172,11 +184,12 @@ def _t_stage(ignore_virtual=True, vp_stage=None):
 
 
 
-#: parameter list -> its template.
+#: parameter list (``*`` before keyword-only parameters, as in a signature) -> its template.
 _TEMPLATES: dict[tuple[str, ...], Callable[..., Any]] = {
     (): _t0,
     ("check_initialized",): _t_ci,
     ("with_context_parallel",): _t_cp,
+    ("*", "with_context_parallel"): _t_kw_cp,
     ("with_context_parallel", "check_initialized"): _t_cp_ci,
     ("check_initialized", "with_context_parallel"): _t_ci_cp,
     ("with_context_parallel", "partial_data_parallel"): _t_dp,
@@ -188,14 +201,23 @@ _TEMPLATES: dict[tuple[str, ...], Callable[..., Any]] = {
 }
 
 
+def _parameter_list(params: tuple[inspect.Parameter, ...]) -> tuple[str, ...]:
+    names: list[str] = []
+    for p in params:
+        if p.kind is p.KEYWORD_ONLY and "*" not in names:
+            names.append("*")
+        names.append(p.name)
+    return tuple(names)
+
+
 def compile_accessor(reference: Callable[..., Any], variants: dict[str, str], name: str | None = None
                      ) -> Callable[..., Any]:
     """``reference`` with a fast path, named ``name``: for each variant (``default``, ``cp``, ...), its answer key."""
     name = name or reference.__name__
     params = tuple(inspect.signature(reference).parameters.values())
-    template = _TEMPLATES.get(tuple(p.name for p in params))
+    template = _TEMPLATES.get(_parameter_list(params))
     if template is None:
-        raise ValueError(f"{name}: no fast-path template for the parameters {[p.name for p in params]}")
+        raise ValueError(f"{name}: no fast-path template for the parameters {list(_parameter_list(params))}")
     shape = [(p.name, p.kind, p.default) for p in inspect.signature(template).parameters.values()]
     if shape != [(p.name, p.kind, p.default) for p in params]:
         raise ValueError(f"{name}: the template {template.__name__} has other defaults than {inspect.signature(reference)}")
@@ -208,6 +230,7 @@ def compile_accessor(reference: Callable[..., Any], variants: dict[str, str], na
         if key in ANSWERS:
             namespace[variable] = ANSWERS[key]
     fast = types.FunctionType(template.__code__, namespace, name, template.__defaults__)
+    fast.__kwdefaults__ = template.__kwdefaults__
     fast.__qualname__, fast.__doc__, fast.__module__ = name, reference.__doc__, reference.__module__
     fast.__annotations__ = dict(reference.__annotations__)
     return fast
