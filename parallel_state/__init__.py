@@ -112,6 +112,7 @@ from parallel_state.errors import (  # noqa: F401
     ParallelStateValueError,
     ParallelStateWarning,
 )
+from parallel_state.group_cache import clear_group_cache, enable_group_cache, group_cache_info  # noqa: F401
 from parallel_state.initialize import destroy_model_parallel, initialize_model_parallel  # noqa: F401
 from parallel_state.launch import LaunchInfo, detect_launch  # noqa: F401
 from parallel_state.log import print_per_rank, print_rank_0  # noqa: F401

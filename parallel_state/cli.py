@@ -26,6 +26,7 @@ from parallel_state.plan_report import (  # noqa: F401  (re-exported: the demo's
     find_split_quietly,
     int_list,
     make_plan,
+    rank_list,
     split_report,
 )
 
@@ -59,7 +60,7 @@ def plan_dict(plan: TopologyPlan, split: SplitReport | None = None) -> dict[str,
         "order": plan.order,
         "sizes": {k: plan.size(k) for k in SIZE_KEYS},
         "groups": {kind: [list(g) for g in plan.groups(kind)] for kind in PLAN_KINDS},
-        "ranks": [{"rank": r, **{k: plan.coords(r)[k] for k in SIZE_KEYS}} for r in range(plan.world_size)],
+        "ranks": [{"rank": r, **{k: plan.coords(r)[k] for k in SIZE_KEYS}} for r in plan.all_ranks],
         "split": None,
     }
     if split is not None:
@@ -103,7 +104,7 @@ def format_plan(plan: TopologyPlan) -> str:
         lines += _wrap(["[" + ", ".join(map(str, g)) + "]" for g in plan.groups(kind)], " " * (name_w + 4))
     lines += ["", "Ranks (coordinates; pp is the pipeline stage)"]
     lines += _table(("rank",) + SIZE_KEYS, [[r] + [plan.coords(r)[k] for k in SIZE_KEYS]
-                                            for r in range(plan.world_size)])
+                                            for r in plan.all_ranks])
     return "\n".join(lines)
 
 
@@ -131,7 +132,11 @@ def format_split(split: SplitReport) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    plan = make_plan(args.world_size, args.tp, args.cp, args.pp, args.order)
+    ranks = None if args.ranks is None else rank_list("--ranks", args.ranks)
+    if ranks is not None and len(ranks) != args.world_size:
+        raise CliError(f"--ranks {args.ranks} names {len(ranks)} ranks but --world-size is {args.world_size}; "
+                       f"give as many ranks as the topology has")
+    plan = make_plan(args.world_size, args.tp, args.cp, args.pp, args.order, ranks)
     split = None
     if args.video_shape is None:
         if args.patch is not None or args.view_factor is not None:
@@ -182,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, default=1, metavar="B", help="context-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, metavar="C", help="pipeline-parallel size (default 1)")
     p.add_argument("--order", default=DEFAULT_ORDER, help=f"rank order (default Megatron's {DEFAULT_ORDER})")
+    p.add_argument("--ranks", metavar="LIST", help="lay the topology out over these global ranks (e.g. 4-7), as "
+                   "initialize_model_parallel(ranks=...) does (default 0 .. N-1)")
     p.add_argument("--video-shape", metavar="B,C,T,H,W", help="a video latent shape to plan with find_split")
     p.add_argument("--patch", metavar="pT,pH,pW", help="patch sizes for find_split (default 1,2,2)")
     p.add_argument("--view-factor", type=int, metavar="V", help="views folded into T (default 1)")

@@ -161,6 +161,9 @@ BAD = [
     (_argv(4, 1, 2, 2, None, "--patch", "1,2,2"), "give --video-shape B,C,T,H,W too"),
     (_argv(4, 1, 2, 2, None, "--video-shape", "1,16,24,88,160", "--patch", "1,2"), "--patch needs 3"),
     (_argv(4, 1, 2, 2, None, "--svg", "/nonexistent-dir/x.svg"), "cannot write --svg /nonexistent-dir/x.svg"),
+    (_argv(4, 1, 2, 1, None, "--ranks", "4-6"), "--ranks 4-6 names 3 ranks but --world-size is 4"),
+    (_argv(4, 1, 2, 1, None, "--ranks", "4-x"), "--ranks takes global ranks such as 4-7"),
+    (_argv(2, 1, 2, 1, None, "--ranks", "3,3"), "names a rank twice"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     ([], "the following arguments are required: {plan,demo}"),
 ]
@@ -261,3 +264,15 @@ def test_plan_leaves_megatron_cp_size_t_alone(capsys):
     assert cli.main(_argv(4, 1, 2, 2, None, "--video-shape", "1,16,24,88,160", "--json")) == 0
     assert json.loads(capsys.readouterr().out)["split"]["cp_size_t"] == 2
     assert "cp_size_t" not in vars(mpu) and "cp_size_t" not in vars(ps)
+
+
+def test_plan_over_a_subset_of_ranks_names_global_ranks(capsys):
+    import json
+
+    code, out, _ = _run(capsys, _argv(4, 1, 2, 1, None, "--ranks", "4-7", "--json"))
+    whole = json.loads(_run(capsys, _argv(4, 1, 2, 1, None, "--json"))[1])
+    got = json.loads(out)
+    assert code == 0 and got["groups"]["cp"] == [[4, 5], [6, 7]] and got["groups"]["dp"] == [[4, 6], [5, 7]]
+    # The same layout as over ranks 0-3, shifted to the subset's global ranks.
+    assert got["groups"] == {k: [[r + 4 for r in g] for g in v] for k, v in whole["groups"].items()}
+    assert [r["rank"] for r in got["ranks"]] == [4, 5, 6, 7]
