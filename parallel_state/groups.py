@@ -98,7 +98,8 @@ class GroupBatch:
     reserve: int = 0
     base: int | None = None
     created: list[Any] = field(default_factory=list)
-    _labels: dict[int, str] = field(default_factory=dict)
+    #: id(group) -> (description, ranks): formatted only for an error (a rank list can be the whole world).
+    _labels: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     _base: int = field(default=-1)
     _restore: int | None = None
     _next_slot: int = 0
@@ -162,7 +163,7 @@ class GroupBatch:
         if pg is None or pg == dist.GroupMember.NON_GROUP_MEMBER:
             raise ParallelStateError(f"rank {dist.get_rank()} was not made a member of {desc} {ranks}")
         self.created.append(pg)
-        self._labels[id(pg)] = f"{desc} group {list(ranks)}"
+        self._labels[id(pg)] = (desc, ranks)
         return pg
 
     def skip(self, count: int) -> None:
@@ -192,8 +193,9 @@ class GroupBatch:
             try:
                 store.wait([_ALL_ARRIVED_KEY], self.timeout)
             except Exception as exc:  # torch raises DistStoreError (a RuntimeError) on timeout
+                desc, ranks = self._labels.get(id(pg), ("process", ()))
                 raise ParallelStateError(
-                    f"rank {dist.get_rank()}: not every member of the {self._labels.get(id(pg), 'process group')} "
+                    f"rank {dist.get_rank()}: not every member of the {desc} group {list(ranks)} "
                     f"finished creating it within {self.timeout} ({exc}); some rank of that group did not call "
                     f"initialize_model_parallel with the same arguments, or failed: check its log"
                 ) from exc
