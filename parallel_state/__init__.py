@@ -105,6 +105,7 @@ from parallel_state.accessors import (  # noqa: F401  (re-exported API)
     set_virtual_pipeline_model_parallel_world_size,
 )
 from parallel_state.bridge import bridge_megatron  # noqa: F401
+from parallel_state.cp_plan import ContextParallelPlan, plan_context_parallel  # noqa: F401
 from parallel_state.errors import (  # noqa: F401
     ParallelStateAssertionError,
     ParallelStateError,
