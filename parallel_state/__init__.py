@@ -7,8 +7,9 @@ kind as a row of one table), ``state`` (the one live state object and its lifecy
 (precomputed answers, Megatron's getters, their one-read hot paths), ``megatron_globals``
 (megatron-core's private globals, read through this package's ``__getattr__``), ``bridge``
 (megatron-core reads our groups), ``rank_generator``, ``process_groups``, ``nccl``, ``memory``
-(megatron-core's utilities), ``split`` (``find_split`` and ``cp_size_t``), ``mesh`` (DeviceMesh
-views for DTensor / FSDP2). The runtime: ``launch`` (launcher detection), ``manager``
+(megatron-core's utilities), ``split`` (``find_split`` and ``cp_size_t``), ``cp_plan``
+(``plan_context_parallel``, ``shard_sizes``), ``mesh`` (DeviceMesh views for DTensor / FSDP2).
+The runtime: ``launch`` (launcher detection), ``manager``
 (DistributedManager), ``resolve`` (rank / world size / collective device), ``runtime``
 (dist_init), ``log`` (print helpers).
 """
