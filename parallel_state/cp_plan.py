@@ -126,7 +126,9 @@ class ContextParallelPlan:
         kv = "" if self.num_kv_heads == self.num_heads else f" and {self.num_kv_heads} K/V heads"
         if self.kv_heads_sent != self.num_kv_heads:
             kv += f" (replicated to {self.kv_heads_sent} for {self.ulysses_size}-way Ulysses)"
-        if self.ulysses_size == self.cp_size:
+        if self.cp_size == 1:
+            method = "no context parallelism: plain attention in one rank"
+        elif self.ulysses_size == self.cp_size:
             method = f"Ulysses alone over all {self.cp_size} ranks (cp.ulysses_attention)"
         elif self.ulysses_size == 1:
             method = f"ring attention alone over all {self.cp_size} ranks ({self.num_heads} heads do not split further)"

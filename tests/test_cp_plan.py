@@ -99,6 +99,7 @@ def test_hand_checked_answers():
     assert wan.bytes_per_rank("bfloat16", d) == wan.bytes_per_rank(2, d) == wan.bytes_per_rank(torch.float16, d)
     one = plan_context_parallel((1, 1, 1, 2, 2), 1, 3, patch_values=(1, 1, 1))
     assert (one.ulysses_size, one.ring_size, one.tokens_per_rank, one.bytes_per_rank(4, 8)) == (1, 1, (4,), 0)
+    assert "no context parallelism" in one.describe()
     view = plan_context_parallel((2, 16, 42, 60, 104), 2, 12, view_factor=2)
     assert view.token_grid == (21, 30, 52)  # tokens of one view
     mqa = plan_context_parallel((1, 16, 21, 60, 104), 4, 12, num_kv_heads=1)
