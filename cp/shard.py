@@ -126,7 +126,7 @@ def split_inputs_cp(x: torch.Tensor, seq_dim: int, cp_group: Any = None, *, unev
 def _gather_dim(what: str, x: torch.Tensor, seq_dim: int, cp_group: Any, length: Any = None,
                 uneven: bool = False) -> tuple[int | None, tuple[int, ...] | None]:
     """Check a gather's arguments: the normalized dim (None when there is nothing to gather) and, for an
-    uneven gather, every rank's shard size, agreed on every rank."""
+    uneven gather whose shards differ, every rank's shard size, agreed on every rank (else None)."""
     if cp_group is None:
         return None, None
     check_tensor(what, x)
@@ -141,7 +141,9 @@ def _gather_dim(what: str, x: torch.Tensor, seq_dim: int, cp_group: Any, length:
                              f"in a group of one the shard is the whole sequence")
         return None, None
     if length is not None or uneven:
-        return dim, agree_shards(what, x, seq_dim, dim, cp_group, length)
+        sizes = agree_shards(what, x, seq_dim, dim, cp_group, length)
+        # Shards that came out equal take the even gather (the check above is all the uneven path adds).
+        return dim, None if len(set(sizes)) == 1 else sizes
     if debug.enabled():
         debug.check_same(what, x, cp_group)
     return dim, None
