@@ -178,9 +178,9 @@ def _agreed_sizes(what: str, group: Any, length: int, named: Sequence[tuple[str,
         if got != want:
             bad = "; ".join(f"group rank {i} (global {ranks[i]}) has {g}, expected {w}"
                             for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
-            raise ValueError(
-                f"{what}: {name}'s sequence lengths over the group are {got}, not {rule}: {bad}; give rank i "
-                f"the shard split_inputs_cp(x, seq_dim, group, uneven=True) gives it")
+            fix = ("pass every rank the whole sequence (what seq_to_heads returned)" if whole else
+                   "give rank i the shard split_inputs_cp(x, seq_dim, group, uneven=True) gives it")
+            raise ValueError(f"{what}: {name}'s sequence lengths over the group are {got}, not {rule}: {bad}; {fix}")
         out.append(want)
     return out
 
