@@ -3,11 +3,12 @@
 Mirrors ``megatron.core.parallel_state`` 0.16: every public name, its arguments, defaults,
 answers and rank layout. The names are re-exported here from five layers, each importing only
 those below it (``lint-imports`` checks it; see docs/architecture.md): ``topology`` (pure
-arithmetic: the plan of every group kind, ``RankGenerator``, the latent split), ``groups``
-(creating, checking and destroying torch process groups; the live state), ``megatron``
-(``initialize_model_parallel``, precomputed answers and megatron-core's accessors, its private
-globals, the bridge, memory buffers, ``find_split`` / ``cp_size_t``), ``runtime`` (``dist_init``,
-launchers, ``DistributedManager``, the resolvers, DeviceMesh views, logging) and ``tools``
+arithmetic: the plan of every group kind, ``RankGenerator``, the latent split, the
+context-parallel planner), ``groups`` (creating, checking, caching and destroying torch process
+groups; the table of kinds; the live state), ``megatron`` (``initialize_model_parallel``,
+precomputed answers and megatron-core's accessors, its private globals, the bridge, memory
+buffers, ``find_split`` / ``cp_size_t``), ``runtime`` (``dist_init``, launchers,
+``DistributedManager``, the resolvers, DeviceMesh views, logging) and ``tools``
 (``python -m parallel_state``), with the exceptions in ``errors``.
 """
 
@@ -21,6 +22,7 @@ from parallel_state.errors import (  # noqa: F401
     ParallelStateValueError,
     ParallelStateWarning,
 )
+from parallel_state.groups.group_cache import clear_group_cache, enable_group_cache, group_cache_info  # noqa: F401
 from parallel_state.groups.hierarchical import create_hierarchical_groups, create_hybrid_dp_cp_groups  # noqa: F401
 from parallel_state.groups.nccl import get_nccl_options, overwrite_nccl_comm_cfgs  # noqa: F401
 from parallel_state.groups.process_groups import create_group, is_torch_min_version, update_pg_timeout  # noqa: F401
@@ -136,6 +138,7 @@ from parallel_state.runtime.log import print_per_rank, print_rank_0  # noqa: F40
 from parallel_state.runtime.manager import DistributedManager  # noqa: F401
 from parallel_state.runtime.mesh import device_mesh, fsdp_mesh  # noqa: F401
 from parallel_state.runtime.resolve import collective_device, resolve_global_rank, resolve_world_size  # noqa: F401
+from parallel_state.topology.cp_plan import ContextParallelPlan, plan_context_parallel, shard_sizes  # noqa: F401
 from parallel_state.topology.plan import (  # noqa: F401
     DEFAULT_ORDER,
     TopologyPlan,

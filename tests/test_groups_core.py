@@ -169,22 +169,6 @@ def test_twenty_rebuilds_leave_no_group_behind(pools):
     assert all(n > 0 for n in created[0])
 
 
-def case_group_counts(topo):
-    """Groups this rank created: distinct objects and their number."""
-    ps.initialize_model_parallel(**_topology_kwargs(topo))
-    state = ps.groups.state.peek()
-    return len(state.owned), len({id(g) for g in state.owned})
-
-
-def test_equal_rank_sets_share_one_group(pools):
-    # cp=4 on 4 ranks: tp, pp and dp are singletons (one shared group), cp == dp-cp == tp-cp
-    # == tp-dp-cp (one group), tp-pp == tp == pp, tp-dp == dp.
-    # cp, dp-cp, tp-cp and tp-dp-cp are the whole world: the default group serves them, so only
-    # the singletons' group is new.
-    owned = pools(4).run(case_group_counts, dict(cp=4))
-    assert owned == [(1, 1)] * 4
-
-
 def case_errors():
     import torch.distributed as dist
 

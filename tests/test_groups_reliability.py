@@ -449,9 +449,10 @@ def test_a_failure_in_the_middle_of_group_creation_rolls_back(pools):
             assert out["error"] is None and out["clean"] and out["retry"], out
             continue
         # No NCCL in this build: the options fail when the model-parallel (tp-pp) group is built,
-        # after the dp-cp and dp groups (the other kinds share these three groups here).
+        # after the dp-cp, dp and cp groups (each kind its own group, in megatron-core's order).
         assert out["error"]["is_pse"] and "this torch build has no NCCL" in out["error"]["message"], out
-        assert out["created_before_failure"] == ["dp-cp", "dp"], out
+        assert out["created_before_failure"] == ["DATA_PARALLEL_GROUP_WITH_CP", "DATA_PARALLEL_GROUP",
+                                                 "CONTEXT_PARALLEL_GROUP"], out
         assert out["clean"] and out["retry"], out
 
 

@@ -51,13 +51,18 @@ def test_each_rank_creates_only_its_own_groups_at_16384_ranks():
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     for case, got in zip(CASES, results, strict=True):
-        expected = {brute_force_group(case, kind) for kind in KINDS}
+        # One group per kind, as megatron-core builds them: the decoder kinds; the expert kinds (ep 1:
+        # ep is the rank alone, expert tp and expert tp x ep the tp group, expert tp x ep x pp the
+        # model-parallel group, expert dp the dp x cp group); the one distributed-optimizer instance
+        # (the whole world); no gloo twins (fakeworld passes create_gloo_process_groups=False). The
+        # intra-instance groups are the dp x cp and expert dp groups, shared as megatron-core shares them.
+        group = {kind: brute_force_group(case, kind) for kind in KINDS}
+        expected = [group[k] for k in KINDS] + [frozenset({case["rank"]}), group["tp"], group["tp"], group["tp-pp"],
+                                                group["dp-cp"], frozenset(range(case["world"]))]
         # megatron-core's embedding picks (first and last stage; first stage) where this rank is one.
-        # Its one distributed-optimizer instance is the whole world: the default group serves it.
-        pp = sorted(brute_force_group(case, "pp"))
-        expected |= {frozenset(pick) for pick in ({pp[0], pp[-1]}, {pp[0]}) if case["rank"] in pick}
-        expected.add(frozenset({case["rank"]}))  # the expert-model-parallel group of one (ep 1)
-        # One new_group call per distinct group the rank is in, each with exactly that group's ranks.
+        pp = sorted(group["pp"])
+        expected += [frozenset(pick) for pick in ({pp[0], pp[-1]}, {pp[0]}) if case["rank"] in pick]
+        # One new_group call per kind the rank is in, each with exactly that group's ranks.
         assert sorted(map(sorted, expected)) == sorted(got["new_group_calls"]), case
         assert sorted(got["joined"]) == sorted(got["new_group_calls"]), case
         # The plan was only ever asked about this rank, and never enumerated the world's groups.

@@ -87,8 +87,12 @@ def test_many_cycles_stay_flat(pools):
         # File descriptors: exactly flat once warm (a leaked socket per cycle would add 180).
         assert max(fds[WARMUP - 1:]) - min(fds[WARMUP - 1:]) <= 2, (rank, fds)
         # Resident memory: torch itself keeps a little per group name it has seen (its FileStore
-        # caches every rendezvous key, its flight recorder the ranks of every group): about
-        # 5 KiB a cycle here, ~0.5 MiB over 100 cycles. A leak of 8 KiB a cycle more would fail.
-        assert rss[-1] - rss[WARMUP - 1] < 1.25 * 1024, (rank, rss[WARMUP - 1], rss[-1])
-        assert max(rss[WARMUP - 1:]) - rss[WARMUP - 1] < 1.75 * 1024, (rank, max(rss))
+        # caches every rendezvous key, its flight recorder the ranks of every group): measured at
+        # about 1.7 KiB per group created, for this project's groups and for plain new_group calls
+        # alike. Allowed: 3 KiB per group created per cycle, so a leak of a few groups' worth of
+        # memory a cycle (their sockets, buffers: hundreds of KiB) fails.
+        per_cycle = 3 * sum(r["live"]) / len(r["live"])
+        grown = rss[-1] - rss[WARMUP - 1]
+        assert grown < per_cycle * (CYCLES - WARMUP), (rank, rss[WARMUP - 1], rss[-1], per_cycle)
+        assert max(rss[WARMUP - 1:]) - rss[WARMUP - 1] < per_cycle * (CYCLES - WARMUP) + 512, (rank, max(rss))
         assert r["collectives"] >= 2 * CYCLES

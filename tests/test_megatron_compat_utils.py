@@ -388,7 +388,11 @@ def _groups_and_timeouts(expected_hier, expected_hybrid):
         hybrid = create_hybrid_dp_cp_groups(me, [0, 1, 2, 3], None)
         made += list(hybrid.values())
 
-        update_pg_timeout(datetime.timedelta(seconds=123))
+        update_pg_timeout(datetime.timedelta(seconds=99))
+        # Without include_world the default group keeps its timeout; the recorded groups change.
+        world_kept = _gloo_timeout(c10d._get_default_group()) == original
+        recorded_changed = _gloo_timeout(mine).total_seconds() == 99
+        update_pg_timeout(datetime.timedelta(seconds=123), include_world=True)
         every = [_gloo_timeout(g) for g in (c10d._get_default_group(), mine, whole, *hier)]
         update_pg_timeout(datetime.timedelta(seconds=77), pg=mine)
         one = (_gloo_timeout(mine), _gloo_timeout(whole))
@@ -406,6 +410,7 @@ def _groups_and_timeouts(expected_hier, expected_hybrid):
             "after_pairs": after_pairs,
             "count": c10d._world.group_count - start,
             "every": [x.total_seconds() for x in every],
+            "world_kept": world_kept and recorded_changed,
             "one": [x.total_seconds() for x in one],
             "hier": [dist.get_process_group_ranks(g) for g in hier],
             "hier_gloo": [dist.get_process_group_ranks(g) for g in hier_gloo],
@@ -419,7 +424,7 @@ def _groups_and_timeouts(expected_hier, expected_hybrid):
             if isinstance(group, dist.ProcessGroup):
                 dist.destroy_process_group(group)
         pgs.clear_process_groups()
-        update_pg_timeout(original)
+        update_pg_timeout(original, include_world=True)
 
 
 def test_create_group_and_update_pg_timeout_on_gloo_ranks(pools, mc, monkeypatch):
@@ -441,7 +446,7 @@ def test_create_group_and_update_pg_timeout_on_gloo_ranks(pools, mc, monkeypatch
         hier, hybrid = res["ok"]
         # Every rank moved torch's counter alike, members or not, so later groups get the same names.
         assert res["after_pairs"] == 2 and res["count"] == results[0]["count"]
-        assert res["every"] == [123.0] * 5 and res["one"] == [77.0, 123.0]
+        assert res["every"] == [123.0] * 5 and res["one"] == [77.0, 123.0] and res["world_kept"]
         assert res["hier"] == res["hier_gloo"] == hier and res["hybrid"] == hybrid, rank
         assert res["hier_desc"] == expected_descs[rank]
         assert res["errors"][:2] == ["ParallelStateTypeError", "ParallelStateError"]

@@ -136,8 +136,8 @@ def _answers(module, topology):
 def _globals(module, names):
     out = {n: _describe(getattr(module, n)) for n in names}
     if "_global_process_group_list" in out:
-        # The groups update_pg_timeout visits: ours holds each rank set once (equal kinds share a group),
-        # and a whole-world group is the default group, which the list's None stands for.
+        # The groups update_pg_timeout visits, compared as sets of rank lists (the creation order differs);
+        # the whole world's rank list stands for both the default group (the list's None) and world-sized kinds.
         import torch.distributed as dist
 
         world = repr(("group", tuple(range(dist.get_world_size()))))

@@ -1,7 +1,8 @@
 """Layer 2, groups: creating, checking and destroying torch process groups.
 
-The one live state object and its lifecycle (``state``), members-only group creation and
-teardown (``create``), megatron-core's ``create_group`` / ``update_pg_timeout`` and the
+The one live state object and its lifecycle (``state``), the table of group kinds (``kinds``),
+the group cache that keeps a destroyed topology's groups for the next one (``group_cache``),
+members-only group creation and teardown (``create``), megatron-core's ``create_group`` / ``update_pg_timeout`` and the
 hierarchical groups (``process_groups``, ``hierarchical``), NCCL options (``nccl``) and the
 cross-rank argument check (``consistency``). Uses the topology layer only.
 """

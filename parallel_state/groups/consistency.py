@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from parallel_state.errors import ParallelStateError, ParallelStateTypeError
 
@@ -26,8 +26,9 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 def check_same_everywhere(what: str, config: Mapping[str, Any], *,
-                          timeout: datetime.timedelta | None = None) -> None:
-    """Return when every rank of the default group passed an equal ``config`` for ``what``.
+                          timeout: datetime.timedelta | None = None, members: Sequence[int] | None = None) -> None:
+    """Return when every rank of the default group (or of ``members``, sorted global ranks) passed an
+    equal ``config`` for ``what``.
 
     Otherwise raise ParallelStateError on every rank: naming the ranks that disagree and
     their values, or, when some ranks did not arrive within ``timeout``, naming those. Every
@@ -36,12 +37,13 @@ def check_same_everywhere(what: str, config: Mapping[str, Any], *,
     """
     if not isinstance(config, Mapping) or not all(isinstance(k, str) for k in config):
         raise ParallelStateTypeError(f"config must be a dict of argument name (str) -> value, got {config!r}")
-    values = _values_if_different(what, json.dumps(dict(config), sort_keys=True, default=repr), timeout)
+    values = values_if_different(what, json.dumps(dict(config), sort_keys=True, default=repr), timeout, members)
     if values is not None:
-        raise ParallelStateError(_mismatch_message(what, values))
+        raise ParallelStateError(_mismatch_message(what, values, members))
 
 
-def confirm_everywhere(what: str, error: BaseException | None, *, timeout: datetime.timedelta | None = None) -> None:
+def confirm_everywhere(what: str, error: BaseException | None, *, timeout: datetime.timedelta | None = None,
+                       members: Sequence[int] | None = None) -> None:
     """Tell every rank whether ``what`` succeeded here (``error`` is None) and learn the same of them.
 
     Returns on a rank that failed (its caller raises its own error; the others have been
@@ -51,17 +53,19 @@ def confirm_everywhere(what: str, error: BaseException | None, *, timeout: datet
     """
     mine = "ok" if error is None else f"{type(error).__name__}: {error}"[:2000]
     try:
-        values = _values_if_different(what, mine, timeout)
+        values = values_if_different(what, mine, timeout, members)
     except ParallelStateError:
         if error is not None:
             return  # this rank's own error is the one to report
         raise
     if error is not None or values is None:
         return
-    failed = [r for r, v in enumerate(values) if v != "ok"]
+    ranks_of = list(members) if members is not None else list(range(len(values)))
+    failed = [ranks_of[i] for i, v in enumerate(values) if v != "ok"]
     by_reason: dict[str, list[int]] = {}
-    for r in failed:
-        by_reason.setdefault(values[r], []).append(r)
+    for i, v in enumerate(values):
+        if v != "ok":
+            by_reason.setdefault(v, []).append(ranks_of[i])
     shown = "; ".join(f"{_rank_word(ranks)} {_ranges(ranks)}: {reason[:300]}"
                       for reason, ranks in list(by_reason.items())[:3])
     raise ParallelStateError(
@@ -71,8 +75,9 @@ def confirm_everywhere(what: str, error: BaseException | None, *, timeout: datet
     )
 
 
-def _values_if_different(what: str, mine: str, timeout: datetime.timedelta | None) -> list[str] | None:
-    """None when every rank announced ``mine``; else every rank's value, in rank order."""
+def values_if_different(what: str, mine: str, timeout: datetime.timedelta | None,
+                        members: Sequence[int] | None = None) -> list[str] | None:
+    """None when every rank (of ``members``) announced ``mine``; else every rank's value, in rank order."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -87,17 +92,22 @@ def _values_if_different(what: str, mine: str, timeout: datetime.timedelta | Non
             f"{what} compares values across ranks and needs torch.distributed: call "
             f"torch.distributed.init_process_group(...) first"
         )
-    world = dist.get_world_size()
+    world = dist.get_world_size() if members is None else len(members)
     # torch's fake backend carries no data between ranks: there is nothing to compare.
     if world == 1 or dist.get_backend() == "fake":
         return None
-    store = c10d._world.pg_map[c10d._get_default_group()][1]
+    store = c10d._world.pg_map[dist.group.WORLD][1]
     if store is None:  # MPI has no store: a plain collective, with the default group's timeout
+        if members is not None:
+            raise ParallelStateError(f"{what} over a subset of ranks needs a backend with a store (not MPI)")
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, mine)
         return None if all(g == mine for g in gathered) else gathered
+    # A subset's rounds live under their own keys, so disjoint subsets check side by side.
+    space = what if members is None else f"{what}@{_ranges(list(members))}"
+    index = dist.get_rank() if members is None else list(members).index(dist.get_rank())
     try:
-        return _check_with_store(store, what, mine, dist.get_rank(), world, timeout)
+        return _check_with_store(store, space, mine, index, world, timeout, members)
     except ParallelStateError:
         raise
     except Exception as exc:  # the store itself failed (its server died, say)
@@ -108,7 +118,8 @@ def _values_if_different(what: str, mine: str, timeout: datetime.timedelta | Non
 
 
 def _check_with_store(store: Any, what: str, mine: str, rank: int, world: int,
-                      timeout: datetime.timedelta) -> list[str] | None:
+                      timeout: datetime.timedelta, members: Sequence[int] | None = None) -> list[str] | None:
+    """One round among ``world`` ranks; ``rank`` is this rank's index among them (``members`` names them)."""
     # Calls are numbered per rank in the store itself, so a re-initialized world starts afresh.
     call = store.add(f"{_PREFIX}/{what}/calls/{rank}", 1)
     key = f"{_PREFIX}/{what}/{call}"
@@ -129,7 +140,14 @@ def _check_with_store(store: Any, what: str, mine: str, rank: int, world: int,
             # Publish that we stopped waiting, unless the last rank made it meanwhile.
             outcome = store.compare_set(done, "", _ABANDONED)
     if outcome == _ABANDONED:
-        missing = [r for r in range(world) if not store.check([f"{key}/value/{r}"])]
+        missing = [r if members is None else members[r] for r in range(world)
+                   if not store.check([f"{key}/value/{r}"])]
+        if missing and members is not None and store.add(f"{key}/rolled", 1) == 1:
+            # A rank missing from a subset's round may never come (it passed another subset, or
+            # failed first): count the round for it, so the subset's next call lines up again.
+            for r in range(world):
+                if not store.check([f"{key}/value/{r}"]):
+                    store.add(f"{_PREFIX}/{what}/calls/{r}", 1)
         if missing:
             raise ParallelStateError(
                 f"{what}: rank(s) {_ranges(missing)} of {world} did not arrive within the timeout "
@@ -152,10 +170,10 @@ def _check_with_store(store: Any, what: str, mine: str, rank: int, world: int,
     return None
 
 
-def _mismatch_message(what: str, values: list[str]) -> str:
+def _mismatch_message(what: str, values: list[str], members: Sequence[int] | None = None) -> str:
     by_value: dict[str, list[int]] = {}
     for r, v in enumerate(values):
-        by_value.setdefault(v, []).append(r)
+        by_value.setdefault(v, []).append(r if members is None else members[r])
     parsed = {v: json.loads(v) for v in by_value}
     keys = sorted({k for d in parsed.values() for k in d})
     differing = [k for k in keys if len({json.dumps(d.get(k, "<missing>")) for d in parsed.values()}) > 1]

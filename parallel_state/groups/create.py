@@ -18,6 +18,18 @@ Two things the default path assumes of all ranks are made members-only too: torc
 barrier after each group (``TORCH_DIST_INIT_BARRIER=1``) waits for the whole world, so it is
 replaced by one barrier per group among its members (:meth:`GroupBatch.wait_for_members`),
 which also keeps a fast rank from destroying a gloo group a peer is still connecting.
+
+torch internals this package still uses, each because no public API does the job (everything
+else goes through ``torch.distributed``'s public functions and ``dist.group.WORLD``):
+- ``_world.group_count`` (here and in ``process_groups``): the only way to name a members-only
+  group alike on its members without every rank calling ``new_group`` for every group.
+- ``_world.pg_map`` (here, ``process_groups``, ``consistency``): whether a group is still alive,
+  and a group's store (the members-only barrier, the cross-rank checks through the default store).
+- ``_world.pg_to_tag`` / ``tags_to_pg``: torch leaves an empty tag list behind per destroyed group.
+- ``_set_pg_timeout`` (``process_groups.update_pg_timeout``): torch has no public way to change a
+  live group's timeout.
+- ``ProcessGroup.bound_device_id`` (here, ``process_groups``, ``resolve``, ``mesh``): whether the
+  default NCCL group was initialised eagerly, where sub-groups are split collectively.
 """
 
 from __future__ import annotations
@@ -62,13 +74,13 @@ def _default_backend() -> str:
     return str(dist.get_backend())
 
 
-def _eager_nccl() -> bool:
+def eager_nccl() -> bool:
     """Whether new NCCL groups would be split from an eagerly initialised default group.
 
     ``ncclCommSplit`` is collective over the whole default group, so members-only creation
     would hang there; such runs take the all-ranks path.
     """
-    default = c10d._get_default_group()
+    default = dist.group.WORLD
     return getattr(default, "bound_device_id", None) is not None and "nccl" in _default_backend()
 
 
@@ -77,18 +89,26 @@ class GroupBatch:
     """Allocates counter-named groups for one ``initialize_model_parallel`` call.
 
     ``reserve`` is the number of counter values the batch may use; it must be the same on
-    every rank (a function of the plan only).
+    every rank (a function of the plan only). ``base`` (a subset's build, see :func:`subset_base`)
+    names the groups from an agreed range instead, and leaves this process's counter as it was,
+    so that ranks of disjoint subsets still name later whole-world groups alike.
     """
 
     timeout: datetime.timedelta
     reserve: int = 0
+    base: int | None = None
     created: list[Any] = field(default_factory=list)
-    _labels: dict[int, str] = field(default_factory=dict)
+    #: id(group) -> (description, ranks): formatted only for an error (a rank list can be the whole world).
+    _labels: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     _base: int = field(default=-1)
+    _restore: int | None = None
     _next_slot: int = 0
 
     def __post_init__(self) -> None:
-        self._base = c10d._world.group_count
+        if self.base is None:
+            self._base = c10d._world.group_count
+        else:
+            self._base, self._restore = self.base, c10d._world.group_count
 
     def create(
         self,
@@ -109,7 +129,7 @@ class GroupBatch:
         """
         slot = self._next_slot
         self._next_slot += count
-        eager = _eager_nccl()
+        eager = eager_nccl()
         if not ranks and not eager:
             return None
         if eager and all_groups is not None:
@@ -139,11 +159,11 @@ class GroupBatch:
                 f"so initialize_model_parallel can be called again"
             ) from exc
         finally:
-            c10d._world.group_count = self._base + self._next_slot
+            c10d._world.group_count = self._base + self._next_slot if self._restore is None else self._restore
         if pg is None or pg == dist.GroupMember.NON_GROUP_MEMBER:
             raise ParallelStateError(f"rank {dist.get_rank()} was not made a member of {desc} {ranks}")
         self.created.append(pg)
-        self._labels[id(pg)] = f"{desc} group {list(ranks)}"
+        self._labels[id(pg)] = (desc, ranks)
         return pg
 
     def skip(self, count: int) -> None:
@@ -173,15 +193,51 @@ class GroupBatch:
             try:
                 store.wait([_ALL_ARRIVED_KEY], self.timeout)
             except Exception as exc:  # torch raises DistStoreError (a RuntimeError) on timeout
+                desc, ranks = self._labels.get(id(pg), ("process", ()))
                 raise ParallelStateError(
-                    f"rank {dist.get_rank()}: not every member of the {self._labels.get(id(pg), 'process group')} "
+                    f"rank {dist.get_rank()}: not every member of the {desc} group {list(ranks)} "
                     f"finished creating it within {self.timeout} ({exc}); some rank of that group did not call "
                     f"initialize_model_parallel with the same arguments, or failed: check its log"
                 ) from exc
 
     def close(self) -> None:
         """Leave the counter past every name this batch could have used, on every rank alike."""
+        if self._restore is not None:
+            c10d._world.group_count = self._restore
+            return
         c10d._world.group_count = max(c10d._world.group_count, self._base + max(self.reserve, self._next_slot))
+
+
+#: Subsets name their groups from this value up, far above any count of whole-world groups.
+_SUBSET_NAMES = 1 << 40
+_SUBSET_KEY = "parallel_state/subset_names"
+
+
+def subset_base(members: tuple[int, ...], reserve: int, timeout: datetime.timedelta) -> int:
+    """The first of ``reserve`` group names the ranks ``members`` agree on, unique in the whole job.
+
+    The subset's first rank takes the range from a counter in the default store and publishes it;
+    the others read it. Names drawn this way never meet the names of another subset building at
+    the same time, nor those of whole-world builds.
+    """
+    store = c10d._world.pg_map[dist.group.WORLD][1]
+    space = f"{_SUBSET_KEY}@{','.join(map(str, members))}"
+    me = dist.get_rank()
+    call = store.add(f"{space}/calls/{me}", 1)  # the same on every member: they build together
+    key = f"{space}/{call}"
+    if me == members[0]:
+        end = store.add(_SUBSET_KEY, max(reserve, 1))
+        store.set(key, str(end - max(reserve, 1)))
+    else:
+        try:
+            store.wait([key], timeout)
+        except Exception as exc:
+            raise ParallelStateError(
+                f"rank {me}: rank {members[0]}, the first of ranks {list(members)}, did not start building the "
+                f"subset's groups within {timeout} ({exc}); every rank of the subset must call "
+                f"initialize_model_parallel with the same ranks"
+            ) from exc
+    return _SUBSET_NAMES + int(store.get(key))
 
 
 @contextmanager

@@ -69,7 +69,7 @@ def _may_skip(dist: Any, use_local_synchronization: bool) -> bool:
     """
     if use_local_synchronization or os.environ.get("TORCH_DIST_INIT_BARRIER", "0").strip() == "1":
         return False
-    default = dist.distributed_c10d._get_default_group()
+    default = dist.group.WORLD
     return getattr(default, "bound_device_id", None) is None and not callable(getattr(default, "new_group", None))
 
 
@@ -131,14 +131,17 @@ def clear_process_groups() -> None:
     _PROCESS_GROUPS[:] = [None]
 
 
-def update_pg_timeout(timeout: datetime.timedelta, pg: Any = None) -> None:
-    """Set the timeout of ``pg``, or of every recorded group and the default group, after a barrier.
+def update_pg_timeout(timeout: datetime.timedelta, pg: Any = None, *, include_world: bool = False) -> None:
+    """Set the timeout of ``pg`` alone, or (``pg=None``) of every recorded group, after a barrier.
 
+    The default (WORLD) group changes only when it is ``pg`` or ``include_world=True``: unlike
+    megatron-core, a call meant for the model-parallel groups leaves the job's own group alone.
     Every member of ``pg`` (every rank, when ``pg`` is None) must call it: it first waits at a
     barrier on ``pg``, and synchronizes CUDA when this process uses it, so no operation in
     flight runs under a changed timeout.
     """
     positive_timedelta("timeout", timeout)
+    include_world = flag("include_world", include_world)
     dist = _dist()
     c10d = dist.distributed_c10d
     set_timeout = getattr(c10d, "_set_pg_timeout", None)
@@ -159,7 +162,8 @@ def update_pg_timeout(timeout: datetime.timedelta, pg: Any = None) -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     # A group destroyed since it was recorded has no timeout left to change.
-    targets = [pg] if pg is not None else [g for g in _PROCESS_GROUPS if g is None or g in c10d._world.pg_map]
+    targets = [pg] if pg is not None else [g for g in _PROCESS_GROUPS
+                                           if (g is None and include_world) or g in c10d._world.pg_map]
     for group in targets:
         try:
             set_timeout(timeout, group)

@@ -6,11 +6,11 @@ import datetime
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from parallel_state.errors import ParallelStateAssertionError, ParallelStateTypeError
+from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
+from parallel_state.groups import group_cache
+from parallel_state.groups.kinds import gloo_kinds as gloo_kinds_table
+from parallel_state.groups.kinds import row
 from parallel_state.topology.plan import GridKind, TopologyPlan
-
-#: The gloo side groups Megatron builds for CPU-side data-parallel work (kinds of the plan).
-GLOO_KINDS: tuple[str, ...] = ("dp-cp", "dp-cp-intra", "dp", "edp", "edp-intra")
 
 
 @dataclass
@@ -20,13 +20,17 @@ class ParallelState:
     plan: TopologyPlan
     rank: int
     timeout: datetime.timedelta
-    #: kind -> this rank's group (None where it is in no group of the kind); kinds with equal
-    #: rank sets share one group object.
+    #: kind -> this rank's group (None where it is in no group of the kind); one group per kind,
+    #: except where megatron-core itself shares (``kinds.KindRow.shares``).
     groups: dict[str, Any] = field(default_factory=dict)
     #: kind -> this rank's gloo group (only with create_gloo_process_groups).
     gloo_groups: dict[str, Any] = field(default_factory=dict)
-    #: every group this state created, each once, in creation order.
+    #: every group this state uses (created, or taken from the group cache), each once.
     owned: list[Any] = field(default_factory=list)
+    #: The topology's key in the group cache (None: the cache was off when it was built).
+    cache_key: str | None = None
+    #: ("main" | "gloo", kind) -> the key of that group in the group cache.
+    group_keys: dict[tuple[str, str], Any] = field(default_factory=dict)
     virtual_pipeline_size: int | None = None
     virtual_pipeline_rank: int | None = None
     #: kind -> this rank's group's ranks, computed once (a group can hold thousands of ranks).
@@ -104,15 +108,21 @@ def build(
     create_gloo_process_groups: bool,
     pipeline_backend: str | None = None,
     nccl_options: Callable[[str], Any] = lambda kind: None,
+    nccl_key: Callable[[str], Any] = lambda kind: None,
     virtual_pipeline_size: int | None = None,
     sharp_kind: str | None = None,
+    cache_key: str | None = None,
 ) -> ParallelState:
-    """Create this rank's groups for ``plan`` and install them; on any error nothing is left behind."""
+    """Create this rank's groups for ``plan`` and install them; on any error nothing is left behind.
+
+    ``plan.ranks`` (a subset of the world) limits every group, and every exchange, to those ranks.
+    With the group cache on, ``cache_key`` names the topology: a cached one comes back whole, and
+    each group of a new one is taken from the cache where one with the same key is there.
+    """
     global _state
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
 
-    from parallel_state.groups.create import GroupBatch, destroy_groups, sharp_enabled
+    from parallel_state.groups.create import GroupBatch, destroy_groups, eager_nccl, sharp_enabled, subset_base
 
     if _state is not None:
         raise ParallelStateAssertionError(
@@ -120,52 +130,76 @@ def build(
             "parallel_state.destroy_model_parallel() before initializing again"
         )
     rank = dist.get_rank()
+    members = plan.ranks
+    if members is not None and eager_nccl():
+        raise ParallelStateError(
+            "initialize_model_parallel(ranks=...) cannot build groups on a subset of an eagerly initialised NCCL "
+            "world (there every new communicator is split collectively over all ranks); call "
+            "torch.distributed.init_process_group without device_id, or build over the whole world"
+        )
     state = ParallelState(plan=plan, rank=rank, timeout=timeout,
                           virtual_pipeline_size=virtual_pipeline_size,
                           virtual_pipeline_rank=0 if virtual_pipeline_size is not None else None)
-    gloo_kinds = GLOO_KINDS if create_gloo_process_groups else ()
+    caching = group_cache.enabled() and cache_key is not None
+    if caching:
+        from parallel_state.groups.consistency import values_if_different
+
+        # Every rank involved must hold the same cached topologies, or their reuse decisions would differ.
+        if values_if_different("parallel_state group cache", group_cache.fingerprint(), timeout, members) is not None:
+            group_cache.drop_all()
+        state.cache_key = cache_key
+        entry = group_cache.take(cache_key)
+        if entry is not None:
+            state.groups, state.gloo_groups, state.owned = entry.groups, entry.gloo_groups, entry.owned
+            state.group_keys = dict(entry.keys)
+            _state = state
+            _changed()
+            return state
+    reuse = caching and not eager_nccl()  # eager NCCL: every rank takes part in every creation
+    gloo_kinds = [k for k in gloo_kinds_table() if k in plan.kinds] if create_gloo_process_groups else []
     # The counter span depends on the plan only, so it is the same on every rank even when
     # this build fails part-way on some of them.
     reserve = sum(plan.num_groups(k) for k in plan.kinds) + sum(plan.num_groups(k) for k in gloo_kinds)
-    batch = GroupBatch(timeout=timeout, reserve=reserve)
+    base = None if members is None else subset_base(members, reserve, timeout)
+    batch = GroupBatch(timeout=timeout, reserve=reserve, base=base)
+    used: list[Any] = []
     try:
-        # Kinds whose groups hold the same ranks on every rank share one group.
-        by_signature: dict[Any, Any] = {}
-        whole_world = ((1, plan.world_size),)
-        for kind in plan.kinds:
-            signature = plan.signature(kind)
-            if signature not in by_signature:
-                options = nccl_options(kind)  # only for a kind that gets a group of its own
-                if signature == whole_world and options is None and (kind != "pp" or pipeline_backend is None) \
-                        and kind != sharp_kind:
-                    # A kind whose one group is the whole world is the default group: no new
-                    # communicator, and no rank walks a world-sized rank list.
-                    by_signature[signature] = c10d._get_default_group()
-            if signature in by_signature:
-                state.groups[kind] = by_signature[signature]
+        # Every kind gets a communicator of its own, as in megatron-core: two kinds on one
+        # communicator would pair their collectives up in issue order and compute wrong sums.
+        # The one exception is megatron-core's own: a kind whose row says it shares another
+        # kind's group does so where the plan gives both the same ranks.
+        for where, kind in [("main", k) for k in plan.kinds] + [("gloo", k) for k in gloo_kinds]:
+            groups = state.groups if where == "main" else state.gloo_groups
+            shared = row(kind).shares
+            if shared is not None and plan.same_group(kind, shared):
+                groups[kind] = groups[shared]
+                state.group_keys[(where, kind)] = state.group_keys[(where, shared)]
+                batch.skip(plan.num_groups(kind))
+                continue
+            if where == "main":
+                # A separate gloo group even on a gloo world, as megatron-core builds it.
+                backend, desc = pipeline_backend if kind == "pp" else None, row(kind).label
+            else:
+                backend, desc = "gloo", f"{row(kind).label}_GLOO"
+            # NCCL options go to NCCL groups only (megatron-core: none for a ucc pipeline).
+            nccl = where == "main" and backend in (None, "nccl")
+            key = (where, desc, state.ranks(kind), backend, nccl_key(kind) if nccl else None, kind == sharp_kind,
+                   timeout.total_seconds())
+            state.group_keys[(where, kind)] = key
+            cached = group_cache.find(key) if reuse and state.ranks(kind) else None
+            if cached is not None:
+                groups[kind] = cached
+                used.append(cached)
                 batch.skip(plan.num_groups(kind))
                 continue
             with sharp_enabled(kind == sharp_kind) as enable:
-                state.groups[kind] = by_signature[signature] = enable(_create(
-                    batch, state, kind, backend=pipeline_backend if kind == "pp" else None,
-                    pg_options=options, desc=kind))
-        reuse = dist.get_backend() == "gloo"
-        gloo_by_signature: dict[Any, Any] = {}
-        for kind in gloo_kinds:
-            signature = plan.signature(kind)
-            if reuse:
-                state.gloo_groups[kind] = state.groups[kind]
-            elif signature in gloo_by_signature:
-                state.gloo_groups[kind] = gloo_by_signature[signature]
-                batch.skip(plan.num_groups(kind))
-            else:
-                state.gloo_groups[kind] = gloo_by_signature[signature] = _create(
-                    batch, state, kind, backend="gloo", desc=f"{kind}-gloo")
+                groups[kind] = enable(_create(batch, state, kind, backend=backend,
+                                              pg_options=nccl_options(kind) if nccl else None, desc=desc))
         batch.wait_for_members()
     except BaseException:
         state.groups.clear()  # hand every reference to destroy_groups, which frees the groups
         state.gloo_groups.clear()
-        by_signature = gloo_by_signature = {}
+        used.clear()
         try:
             destroy_groups(batch.created)
         except Exception:  # the build's own error is the one to report
@@ -173,7 +207,7 @@ def build(
         batch.close()
         raise
     batch.close()
-    state.owned = batch.created
+    state.owned = batch.created + used
     _state = state
     _changed()
     return state
@@ -187,7 +221,8 @@ def _create(batch: Any, state: ParallelState, kind: str, **kwargs: Any) -> Any:
 
 
 def teardown() -> None:
-    """Free every group the live state created, run the teardown hooks, and forget everything."""
+    """Free every group the live state uses (or hand them to the group cache), run the teardown hooks,
+    and forget everything."""
     global _state
     from parallel_state.groups.create import destroy_groups
 
@@ -200,11 +235,18 @@ def teardown() -> None:
         except BaseException as exc:  # keep tearing down; report after
             errors.append(exc)
     if state is not None:
+
         owned, state.owned = state.owned, []
-        state.groups.clear()  # hand every reference to destroy_groups, which frees the groups
-        state.gloo_groups.clear()
-        del state
         try:
+            if group_cache.enabled() and state.cache_key is not None:
+                # The groups stay alive for the next initialize; everything else is reset as usual.
+                group_cache.keep(state.cache_key, group_cache.Entry(
+                    groups=dict(state.groups), gloo_groups=dict(state.gloo_groups), keys=dict(state.group_keys),
+                    slots=len(state.group_keys), owned=owned))
+                owned = []
+            state.groups.clear()  # hand every reference to destroy_groups, which frees the groups
+            state.gloo_groups.clear()
+            del state
             destroy_groups(owned)
         finally:
             _changed()
@@ -212,3 +254,13 @@ def teardown() -> None:
         _changed()
     if errors:
         raise errors[0]
+
+
+def _live_owned() -> list[Any]:
+    live = peek()
+    return live.owned if live is not None else []
+
+
+# The cache never destroys the live topology's groups; it asks here which they are (it does not
+# import this module, which imports it).
+group_cache.live_groups = _live_owned

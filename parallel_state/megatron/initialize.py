@@ -8,24 +8,8 @@ from typing import Any, Callable, List, Optional
 
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
 from parallel_state.groups import state as _st
+from parallel_state.groups.kinds import row
 from parallel_state.topology.plan import TopologyPlan
-
-# Megatron's names for the NCCL communicator config sections, by group kind.
-_NCCL_CFG_NAME = {
-    "dp-cp": "dp_cp", "dp": "dp", "cp": "cp", "tp-pp": "mp", "tp": "tp", "pp": "pp",
-    "tp-dp-cp": "tp_dp_cp", "tp-dp": "tp_dp", "tp-cp": "tp_cp", "dp-cp-intra": "intra_dp_cp",
-    "dp-cp-ag": "dp_cp", "embd": "embd", "pos-embd": "pos_embd", "ep": "ep", "etp": "ep_tp",
-    "etp-ep": "tp_ep_mp", "etp-ep-pp": "tp_ep_pp", "edp": "ep_dp", "edp-intra": "intra_ep_dp",
-    "edp-inter": "inter_ep_dp", "dist-opt": "intra_dist_opt_instance",
-}
-
-
-def _nccl_cfg_name(kind: str) -> str:
-    if kind.startswith("cp-l"):
-        return "hcp"
-    if kind.startswith("dp-cp-hybrid"):
-        return "dp_cp"
-    return _NCCL_CFG_NAME.get(kind, kind)
 
 
 def _alias(name: str, megatron_value: Any, default: Any, alias_name: str, alias_value: Any) -> Any:
@@ -39,14 +23,16 @@ def _alias(name: str, megatron_value: Any, default: Any, alias_name: str, alias_
     return alias_value
 
 
-def _nccl_options(config_path: Any, high_priority: list[str] | None) -> Callable[[str], Any]:
-    """Each kind's NCCL options (None where nothing is configured), as megatron-core builds them."""
+def _nccl_options(config_path: Any, high_priority: list[str] | None) -> tuple[Callable[[str], Any], Callable[[str], Any]]:
+    """Each kind's NCCL options (None where nothing is configured), as megatron-core builds them, and
+    a comparable key of those settings."""
     from parallel_state.groups.nccl import get_nccl_options, load_nccl_comm_cfgs
 
     cfgs = load_nccl_comm_cfgs(config_path, high_priority)
     if not cfgs:
-        return lambda kind: None
-    return lambda kind: get_nccl_options(_nccl_cfg_name(kind), cfgs)
+        return (lambda kind: None), (lambda kind: None)
+    # The settings themselves key a cached group: equal settings, same communicator.
+    return (lambda kind: get_nccl_options(row(kind).nccl, cfgs)), (lambda kind: repr(cfgs.get(row(kind).nccl)))
 
 
 def initialize_model_parallel(
@@ -76,6 +62,7 @@ def initialize_model_parallel(
     pp_size: Optional[int] = None,
     timeout: Optional[datetime.timedelta] = None,
     check_consistency: bool = True,
+    ranks: Optional[List[int]] = None,
 ) -> None:
     """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
 
@@ -85,7 +72,9 @@ def initialize_model_parallel(
     before any group is built and confirms every rank built its groups afterwards (a round
     through the default store each, bounded by the timeout), so that all ranks keep the
     groups or none does. Each rank creates only the groups it is in; on any error nothing is
-    left behind.
+    left behind. ``ranks`` (global ranks holding this one) builds the topology over that subset
+    of the world alone: sizes, layout and accessors refer to it, and only its ranks take part,
+    so disjoint subsets initialize, run and destroy side by side.
     """
     import torch.distributed as dist
 
@@ -96,6 +85,7 @@ def initialize_model_parallel(
     pp = _alias("pipeline_model_parallel_size", pipeline_model_parallel_size, 1, "pp_size", pp_size)
     check_consistency = a.flag("check_consistency", check_consistency)
     timeout = a.timeout_of(timeout, distributed_timeout_minutes)
+    members = _members(ranks)
 
     if not (dist.is_available() and dist.is_initialized()):
         raise ParallelStateAssertionError(
@@ -111,34 +101,39 @@ def initialize_model_parallel(
 
     # Checked before any group exists; it joins the consistency check so no rank is left waiting.
     clash = megatron_clash()
+    from parallel_state.groups import group_cache
+
+    config = {
+        "tensor_model_parallel_size": tp, "context_parallel_size": cp, "pipeline_model_parallel_size": pp,
+        "order": _comparable_order(order, tp, cp, pp),
+        "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size,
+        "pipeline_model_parallel_comm_backend": pipeline_model_parallel_comm_backend,
+        "create_gloo_process_groups": create_gloo_process_groups,
+        "expert_model_parallel_size": expert_model_parallel_size,
+        "expert_tensor_parallel_size": expert_tensor_parallel_size,
+        "hierarchical_context_parallel_sizes": hierarchical_context_parallel_sizes,
+        "hybrid_context_parallel": hybrid_context_parallel,
+        "num_distributed_optimizer_instances": num_distributed_optimizer_instances,
+        "create_all_gather_group": create_all_gather_group,
+        "use_sharp": use_sharp, "sharp_enabled_group": sharp_enabled_group,
+        "get_embedding_ranks": _callable_name(get_embedding_ranks),
+        "get_position_embedding_ranks": _callable_name(get_position_embedding_ranks),
+        "megatron_holds_own_groups": clash is not None,
+        "group_cache": group_cache.enabled(),
+    }
     if check_consistency:
         from parallel_state.groups.consistency import check_same_everywhere
 
         # Compared before any local validation, so a rank with a bad argument is named on every
         # rank instead of failing alone and leaving the others waiting.
-        check_same_everywhere("initialize_model_parallel", {
-            "tensor_model_parallel_size": tp, "context_parallel_size": cp, "pipeline_model_parallel_size": pp,
-            "order": _comparable_order(order, tp, cp, pp),
-            "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size,
-            "pipeline_model_parallel_comm_backend": pipeline_model_parallel_comm_backend,
-            "create_gloo_process_groups": create_gloo_process_groups,
-            "expert_model_parallel_size": expert_model_parallel_size,
-            "expert_tensor_parallel_size": expert_tensor_parallel_size,
-            "hierarchical_context_parallel_sizes": hierarchical_context_parallel_sizes,
-            "hybrid_context_parallel": hybrid_context_parallel,
-            "num_distributed_optimizer_instances": num_distributed_optimizer_instances,
-            "create_all_gather_group": create_all_gather_group,
-            "use_sharp": use_sharp, "sharp_enabled_group": sharp_enabled_group,
-            "get_embedding_ranks": _callable_name(get_embedding_ranks),
-            "get_position_embedding_ranks": _callable_name(get_position_embedding_ranks),
-            "megatron_holds_own_groups": clash is not None,
-        }, timeout=timeout)
+        check_same_everywhere("initialize_model_parallel", config, timeout=timeout, members=members)
     if clash is not None:
         raise ParallelStateError(clash)
 
     try:
-        plan, vpp, backend, nccl_options = _validated(
-            dist.get_world_size(), tp, cp, pp, spelled={"tp": tp_size, "cp": cp_size, "pp": pp_size}, order=order,
+        plan, vpp, backend, (nccl_options, nccl_key) = _validated(
+            dist.get_world_size() if members is None else len(members), tp, cp, pp, members=members,
+            spelled={"tp": tp_size, "cp": cp_size, "pp": pp_size}, order=order,
             virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
             pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend, use_sharp=use_sharp,
             hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
@@ -152,20 +147,22 @@ def initialize_model_parallel(
             create_all_gather_group=create_all_gather_group,
         )
         _st.build(plan, timeout=timeout, create_gloo_process_groups=create_gloo_process_groups,
-                  pipeline_backend=backend, nccl_options=nccl_options, virtual_pipeline_size=vpp,
-                  sharp_kind=_sharp_kind(use_sharp, sharp_enabled_group))
+                  pipeline_backend=backend, nccl_options=nccl_options, nccl_key=nccl_key, virtual_pipeline_size=vpp,
+                  sharp_kind=_sharp_kind(use_sharp, sharp_enabled_group),
+                  cache_key=_cache_key(config, timeout, members, nccl_communicator_config_path,
+                                       high_priority_stream_groups))
     except Exception as exc:
         # Ranks that agreed on the arguments fail alike here, unless their environments
         # differ (a missing file, a backend one node lacks): either way, tell the others, so
         # that none waits for a rank that has given up.
         if check_consistency:
-            _confirm(exc, timeout)
+            _confirm(exc, timeout, members)
         raise
     try:
         if check_consistency:
             # Every rank returns only once every rank has built its groups: all or none keep
             # them, and no rank can destroy a group a peer is still connecting to.
-            _confirm(None, timeout)
+            _confirm(None, timeout, members)
         _set_companions()
         _bridge_if_megatron_loaded()
     except BaseException:
@@ -173,7 +170,8 @@ def initialize_model_parallel(
         raise
 
 
-def _validated(world: int, tp: Any, cp: Any, pp: Any, *, spelled: dict[str, Any], **kw: Any) -> tuple[Any, ...]:
+def _validated(world: int, tp: Any, cp: Any, pp: Any, *, spelled: dict[str, Any], members: Any = None,
+               **kw: Any) -> tuple[Any, ...]:
     """Check every argument's type and value; the plan, vpp, pipeline backend and NCCL options."""
     from parallel_state.topology import arguments as a
 
@@ -231,6 +229,7 @@ def _validated(world: int, tp: Any, cp: Any, pp: Any, *, spelled: dict[str, Any]
         hierarchical_cp=kw["hierarchical_context_parallel_sizes"], dist_opt_instances=instances,
         hybrid_cp=kw["hybrid_context_parallel"], all_gather=bool(kw["create_all_gather_group"]),
         embedding_ranks=kw["get_embedding_ranks"], position_embedding_ranks=kw["get_position_embedding_ranks"],
+        ranks=members,
     )
     # The callables are the caller's code: run them on this rank's pipeline now, so a bad
     # return value is an error here, before any group exists.
@@ -258,11 +257,43 @@ def _sharp_kind(use_sharp: bool, sharp_enabled_group: str | None) -> str | None:
     return "edp-inter" if sharp_enabled_group == "dp_replica" else "dp-cp"
 
 
-def _confirm(error: BaseException | None, timeout: datetime.timedelta) -> None:
+def _confirm(error: BaseException | None, timeout: datetime.timedelta, members: Any = None) -> None:
     from parallel_state.groups.consistency import confirm_everywhere
 
     # A peer that fails spends up to one timeout on the group it cannot build: wait for it.
-    confirm_everywhere("initialize_model_parallel group creation", error, timeout=2 * timeout)
+    confirm_everywhere("initialize_model_parallel group creation", error, timeout=2 * timeout, members=members)
+
+
+def _members(ranks: Any) -> tuple[int, ...] | None:
+    """``ranks`` checked (distinct global ranks of the world, holding this rank), ascending; None for all."""
+    if ranks is None:
+        return None
+    import torch.distributed as dist
+
+    from parallel_state.groups.process_groups import _group_members
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None  # the caller's "not initialized" error says what to do
+    members = tuple(sorted(_group_members(ranks, dist.get_world_size())))
+    if not members:
+        raise ParallelStateError("ranks=[] holds no rank; pass the global ranks to build over, or None for all")
+    if dist.get_rank() not in members:
+        raise ParallelStateError(
+            f"rank {dist.get_rank()} called initialize_model_parallel(ranks={list(members)}), which does not hold "
+            f"it; pass the subset this rank belongs to (each rank passes its own subset's ranks)"
+        )
+    return members
+
+
+def _cache_key(config: dict[str, Any], timeout: datetime.timedelta, members: Any, nccl_path: Any,
+               priority: Any) -> str:
+    """The topology's name in the group cache: everything the groups depend on, equal on every rank."""
+    import hashlib
+    import json
+
+    what = json.dumps([config, timeout.total_seconds(), members, str(nccl_path), priority], sort_keys=True,
+                      default=repr)
+    return hashlib.sha1(what.encode()).hexdigest()[:16]
 
 
 def _comparable_order(order: Any, tp: Any, cp: Any, pp: Any) -> Any:

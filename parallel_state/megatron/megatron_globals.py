@@ -11,27 +11,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from parallel_state.groups import state as _st
+from parallel_state.groups.kinds import ROWS
 from parallel_state.megatron.answers import ANSWERS, OVERRIDES
 
-#: megatron-core global -> the answer it holds.
+#: megatron-core global -> the answer it holds: each kind's group (and gloo twin) from its row, then the rest.
 FROM_ANSWERS: dict[str, str] = {
-    "_TENSOR_MODEL_PARALLEL_GROUP": "tp.group",
-    "_PIPELINE_MODEL_PARALLEL_GROUP": "pp.group",
-    "_MODEL_PARALLEL_GROUP": "tp-pp.group",
-    "_EMBEDDING_GROUP": "embd.group",
-    "_POSITION_EMBEDDING_GROUP": "pos-embd.group",
-    "_DATA_PARALLEL_GROUP": "dp.group",
-    "_DATA_PARALLEL_GROUP_GLOO": "dp.gloo",
-    "_TENSOR_AND_DATA_PARALLEL_GROUP": "tp-dp.group",
-    "_EXPERT_MODEL_PARALLEL_GROUP": "ep.group",
-    "_EXPERT_TENSOR_PARALLEL_GROUP": "etp.group",
-    "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "etp-ep.group",
-    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": "etp-ep-pp.group",
-    "_EXPERT_DATA_PARALLEL_GROUP": "edp.group",
-    "_EXPERT_DATA_PARALLEL_GROUP_GLOO": "edp.gloo",
-    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "edp-intra.group",
-    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": "edp-intra.gloo",
-    "_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "edp-inter.group",
+    **{r.megatron: f"{kind}.group" for kind, r in ROWS.items()},
+    **{r.gloo: f"{kind}.gloo" for kind, r in ROWS.items() if r.gloo},
+    "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS": "hcp.groups",
     "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": "vpp.rank",
     "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": "vpp.size",
     "_EMBEDDING_GLOBAL_RANKS": "embd.ranks",
@@ -41,18 +28,8 @@ FROM_ANSWERS: dict[str, str] = {
     "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": "tp.ranks",
     "_EXPERT_MODEL_PARALLEL_RANKS": "ep.ranks",
     "_MODEL_PARALLEL_GLOBAL_RANKS": "tp-pp.ranks",
-    "_CONTEXT_PARALLEL_GROUP": "cp.group",
     "_CONTEXT_PARALLEL_GLOBAL_RANKS": "cp.ranks",
-    "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS": "hcp.groups",
-    "_DATA_PARALLEL_GROUP_WITH_CP": "dp-cp.group",
-    "_DATA_PARALLEL_GROUP_WITH_CP_AG": "dp-cp-ag.group",
-    "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": "dp-cp.gloo",
     "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": "dp-cp.ranks",
-    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": "dp-cp-intra.group",
-    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": "dp-cp-intra.gloo",
-    "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tp-cp.group",
-    "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "tp-dp-cp.group",
-    "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": "dist-opt.group",
 }
 
 #: megatron-core's _MPU_* caches -> our set_* override keys; they win over the groups in both.

@@ -70,7 +70,7 @@ def collective_device() -> Any:
 
         if "nccl" not in str(dist.get_backend()).lower():
             return torch.device("cpu")
-        bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+        bound = getattr(dist.group.WORLD, "bound_device_id", None)
         return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
     if not torch.cuda.is_available():
         return torch.device("cpu")

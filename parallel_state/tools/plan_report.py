@@ -41,10 +41,25 @@ def int_list(flag: str, text: str, length: int, names: str) -> tuple[int, ...]:
     return values
 
 
-def make_plan(world_size: int, tp: int, cp: int, pp: int, order: str) -> TopologyPlan:
-    """A TopologyPlan, with its errors turned into one-line CLI errors."""
+def rank_list(flag: str, text: str) -> tuple[int, ...]:
+    """Parse global ranks such as ``"4-7"`` or ``"0,2,4-5"`` given to ``flag``, ascending, or raise CliError."""
+    ranks: list[int] = []
     try:
-        return TopologyPlan(world_size, tp=tp, cp=cp, pp=pp, order=order)
+        for part in str(text).split(","):
+            first, _, last = part.strip().partition("-")
+            ranks += range(int(first), int(last or first) + 1)
+    except ValueError:
+        raise CliError(f"{flag} takes global ranks such as 4-7 or 0,2,4-5, got {text!r}") from None
+    if len(set(ranks)) != len(ranks) or min(ranks) < 0:
+        raise CliError(f"{flag} {text!r} names a rank twice or a negative rank; name each global rank once")
+    return tuple(sorted(ranks))
+
+
+def make_plan(world_size: int, tp: int, cp: int, pp: int, order: str,
+              ranks: tuple[int, ...] | None = None) -> TopologyPlan:
+    """A TopologyPlan (over global ``ranks`` when given), with its errors turned into one-line CLI errors."""
+    try:
+        return TopologyPlan(world_size, tp=tp, cp=cp, pp=pp, order=order, ranks=ranks)
     except ParallelStateError as exc:
         raise CliError(str(exc)) from None
 

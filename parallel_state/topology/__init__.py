@@ -1,6 +1,7 @@
 """Layer 1, topology: pure arithmetic, no ``torch.distributed``.
 
 The rank grid and its group kinds (``grid``, ``plan``), megatron-core's ``RankGenerator``
-(``rank_generator``), ``find_split``'s divisibility rule (``split``) and argument checks
+(``rank_generator``), ``find_split``'s divisibility rule (``split``), the context-parallel
+planner and the uneven-shard rule (``cp_plan``) and argument checks
 (``arguments``). Imports nothing of ``parallel_state`` but ``parallel_state.errors``.
 """

@@ -95,9 +95,13 @@ class TopologyPlan:
     all_gather: bool = False
     embedding_ranks: Callable[..., Any] | None = field(default=None, compare=False)
     position_embedding_ranks: Callable[..., Any] | None = field(default=None, compare=False)
+    #: The global ranks the plan lays out, ascending (None: ``0 .. world_size - 1``). The layout is
+    #: computed over positions ``0 .. world_size - 1`` and every rank in or out is a global rank.
+    ranks: tuple[int, ...] | None = None
     decoder: Grid = field(init=False, repr=False)
     expert: Grid = field(init=False, repr=False)
     kinds: dict[str, KindSpec] = field(init=False, repr=False, compare=False)
+    _position: dict[int, int] | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         world = positive_int("world_size", self.world_size)
@@ -153,6 +157,18 @@ class TopologyPlan:
                 f"hybrid_context_parallel needs an even number of dp x cp ranks, got {decoder.dp * cp}; "
                 f"change the sizes or turn hybrid context parallelism off"
             )
+        subset = self.ranks
+        if subset is not None:
+            subset = tuple(subset)
+            if list(subset) != sorted(set(subset)) or len(subset) != world:
+                raise ParallelStateError(
+                    f"ranks {list(subset)} must be {world} distinct global ranks in ascending order (one per "
+                    f"position of the plan's world of {world})"
+                )
+        object.__setattr__(self, "ranks", subset)
+        # Ranks 0 .. world_size - 1 need no mapping (a subset that starts at 0 included).
+        identity = subset is None or subset == tuple(range(world))
+        object.__setattr__(self, "_position", None if identity else {r: i for i, r in enumerate(subset)})
         for name in ("embedding_ranks", "position_embedding_ranks"):
             fn = getattr(self, name)
             if fn is not None and not callable(fn):
@@ -218,7 +234,7 @@ class TopologyPlan:
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's coordinate along every decoder dimension."""
-        return self.decoder.coords(rank)
+        return self.decoder.coords(self._pos(rank))
 
     # --- kinds ---------------------------------------------------------------------------------
 
@@ -238,11 +254,29 @@ class TopologyPlan:
     def _grid(self, spec: GridKind) -> Grid:
         return self.decoder if spec.grid == "decoder" else self.expert
 
+    def _pos(self, rank: int) -> int:
+        """The plan position of global ``rank``."""
+        if self._position is None:
+            return rank
+        try:
+            return self._position[rank]
+        except KeyError:
+            raise ParallelStateError(f"rank {rank} is not one of this plan's ranks {list(self.ranks)}") from None
+
+    def _global(self, positions: tuple[int, ...]) -> tuple[int, ...]:
+        """Global ranks of plan ``positions``."""
+        return positions if self._position is None else tuple(self.ranks[p] for p in positions)
+
+    @property
+    def all_ranks(self) -> tuple[int, ...]:
+        """Every global rank of the plan, ascending."""
+        return self.ranks if self.ranks is not None else tuple(range(self.world_size))
+
     def group_ranks(self, kind: str, rank: int) -> tuple[int, ...]:
         """Global ranks of the group of ``kind`` that holds ``rank`` (empty when it is in none)."""
         spec = self.spec(kind)
         if isinstance(spec, GridKind):
-            return self._grid(spec).group_ranks(spec.dims, rank)
+            return self._global(self._grid(spec).group_ranks(spec.dims, self._pos(rank)))
         if isinstance(spec, SplitKind):
             base = self.group_ranks(spec.base, rank)
             return tuple([base[p] for p in _split_positions(spec, base.index(rank))])
@@ -256,7 +290,7 @@ class TopologyPlan:
         # A rank's position in its expert dp group is its expert-dp coordinate, shared by its
         # whole tp x ep x pp group: an instance is the runs at positions [first, first + runs).
         if spec.runs == self.edp:
-            return tuple(range(self.world_size))  # one instance: the whole world, without walking it
+            return self.all_ranks  # one instance: the whole world, without walking it
         edp = self.group_ranks("edp", rank)
         first = edp.index(rank) // spec.runs * spec.runs
         return _member_order(sum([self.group_ranks("etp-ep-pp", q) for q in edp[first:first + spec.runs]], ()))
@@ -292,8 +326,8 @@ class TopologyPlan:
     def group_rank(self, kind: str, rank: int) -> int:
         """Index of ``rank`` in its group of ``kind`` as torch numbers it (by global rank)."""
         spec = self.spec(kind)
-        if isinstance(spec, GridKind):
-            return self._grid(spec).group_rank(spec.dims, rank)
+        if isinstance(spec, GridKind):  # positions keep the global ranks' order, so the index is the same
+            return self._grid(spec).group_rank(spec.dims, self._pos(rank))
         members = self.group_ranks(kind, rank)
         if rank not in members:
             raise ParallelStateError(f"rank {rank} is in no {kind} group")
@@ -325,7 +359,7 @@ class TopologyPlan:
         """Index of ``rank``'s group among all groups of ``kind``: the same on every member."""
         spec = self.spec(kind)
         if isinstance(spec, GridKind):
-            return self._grid(spec).group_index(spec.dims, rank)
+            return self._grid(spec).group_index(spec.dims, self._pos(rank))
         if isinstance(spec, SplitKind):
             position = self.group_ranks(spec.base, rank).index(rank)
             per_base = math.prod(spec.radices) // spec.radices[spec.level]
@@ -342,7 +376,8 @@ class TopologyPlan:
         """Every group of ``kind`` in the world, in megatron-core's creation order (O(world size))."""
         spec = self.spec(kind)
         if isinstance(spec, GridKind):
-            yield from self._grid(spec).groups(spec.dims)
+            for positions in self._grid(spec).groups(spec.dims):
+                yield self._global(positions)
         elif isinstance(spec, (SplitKind, BlockKind)):
             for base in self.groups(spec.base):
                 seen: set[tuple[int, ...]] = set()
@@ -355,7 +390,7 @@ class TopologyPlan:
             for pp_ranks in self.groups("pp"):
                 yield self.picked(spec.which, pp_ranks)
         else:
-            edp = self.group_ranks("edp", 0)
+            edp = self.group_ranks("edp", self.all_ranks[0])
             for first in range(0, self.edp, spec.runs):
                 yield self.group_ranks(kind, edp[first])
 
