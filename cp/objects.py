@@ -15,14 +15,15 @@ from cp.comm import check_group
 
 def _check_list(what: str, objs: Any) -> None:
     if not isinstance(objs, (list, tuple)):
-        raise TypeError(f"{what}: objs must be a list or tuple, got {type(objs).__name__}")
+        raise TypeError(f"{what}: object_list must be a list or tuple, got {type(objs).__name__}")
 
 
-def split_inputs_cp_object_list(objs: Sequence[Any], cp_group: Any = None) -> Sequence[Any]:
-    """This rank's contiguous part of ``objs`` (part i for the group's rank i), of the same type as ``objs``.
+def split_inputs_cp_object_list(object_list: Sequence[Any], cp_group: Any = None) -> Sequence[Any]:
+    """This rank's contiguous part of ``object_list`` (part i for the group's rank i), of the same type as ``object_list``.
 
-    ``cp_group=None`` (or a group of one) returns ``objs`` itself.
+    ``cp_group=None`` (or a group of one) returns ``object_list`` itself.
     """
+    objs = object_list  # WorldFoundry's parameter name
     if cp_group is None:
         return objs
     what = "split_inputs_cp_object_list"
@@ -41,11 +42,12 @@ def split_inputs_cp_object_list(objs: Sequence[Any], cp_group: Any = None) -> Se
     return objs[start:start + k]
 
 
-def cat_outputs_cp_object_list(objs: Sequence[Any], cp_group: Any = None) -> list[Any]:
-    """Every rank's ``objs`` concatenated in group-rank order (ranks may hold different lengths).
+def cat_outputs_cp_object_list(object_list: Sequence[Any], cp_group: Any = None) -> list[Any]:
+    """Every rank's ``object_list`` concatenated in group-rank order (ranks may hold different lengths).
 
-    ``cp_group=None`` (or a group of one) returns ``objs`` itself.
+    ``cp_group=None`` (or a group of one) returns ``object_list`` itself.
     """
+    objs = object_list  # WorldFoundry's parameter name
     if cp_group is None:
         return objs  # type: ignore[return-value]
     what = "cat_outputs_cp_object_list"
