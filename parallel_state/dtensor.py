@@ -72,14 +72,14 @@ class DTensorFastEmaModelUpdater:
 
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
             raise ValueError(f"update_average: beta must be a number in [0, 1], got {beta!r}")
-        pairs = _local_pairs("update_average", src_model.parameters(), tgt_model.parameters())
-        for i, (lt, _) in enumerate(pairs):
-            if lt.dtype != torch.float32:
-                raise TypeError(f"update_average: the EMA model must be float32, but its parameter {i} is "
-                                f"{lt.dtype}; keep the EMA copy in float32 (tgt_model.float())")
-        if not pairs:
-            return
-        with torch.no_grad():
+        with torch.no_grad():  # the local views are taken and written without autograd
+            pairs = _local_pairs("update_average", src_model.parameters(), tgt_model.parameters())
+            for i, (lt, _) in enumerate(pairs):
+                if lt.dtype != torch.float32:
+                    raise TypeError(f"update_average: the EMA model must be float32, but its parameter {i} is "
+                                    f"{lt.dtype}; keep the EMA copy in float32 (tgt_model.float())")
+            if not pairs:
+                return
             targets = [lt for lt, _ in pairs]
             torch._foreach_mul_(targets, beta)
             torch._foreach_add_(targets, [ls.to(lt.dtype) for lt, ls in pairs], alpha=1.0 - beta)
@@ -104,14 +104,14 @@ class DTensorFastEmaModelUpdater:
 
         if not self.is_cached:
             raise RuntimeError("DTensorFastEmaModelUpdater.restore: nothing is cached; call cache(parameters) first")
-        local = [get_local_tensor_if_dtensor(p) for p in parameters]
-        if len(local) != len(self.collected_params) or any(
-                t.shape != c.shape for t, c in zip(local, self.collected_params, strict=False)):
-            raise ValueError(
-                f"DTensorFastEmaModelUpdater.restore: got {len(local)} parameters, but the cache holds "
-                f"{len(self.collected_params)} of other shapes; restore the parameters that were cached"
-            )
         with torch.no_grad():
+            local = [get_local_tensor_if_dtensor(p) for p in parameters]
+            if len(local) != len(self.collected_params) or any(
+                    t.shape != c.shape for t, c in zip(local, self.collected_params, strict=False)):
+                raise ValueError(
+                    f"DTensorFastEmaModelUpdater.restore: got {len(local)} parameters, but the cache holds "
+                    f"{len(self.collected_params)} of other shapes; restore the parameters that were cached"
+                )
             for t, c in zip(local, self.collected_params, strict=True):
                 t.copy_(c)
         self.collected_params = []
