@@ -90,7 +90,7 @@ def robust_broadcast(tensor: torch.Tensor | None, src: int, pg: Any, is_check_sh
     if group is None:
         return tensor
     what = "robust_broadcast"
-    check_group(group, what, "pg")
+    check_group(group, what, "pg (the process group)")
     _check_src(what, src, global_ranks(group))
     if group.size() == 1:
         if not isinstance(tensor, torch.Tensor):

@@ -261,8 +261,12 @@ get_pipeline_model_parallel_prev_rank = _value(
 get_all_ranks = _value("all_ranks", "This rank's tp, dp, cp, pp and ep ranks joined by '_' (megatron-core's format).")
 
 
-def get_tensor_model_parallel_src_rank(with_context_parallel: bool = False) -> int:
-    """First global rank of this rank's tensor-parallel group (tp x cp with WorldFoundry's ``with_context_parallel``)."""
+def get_tensor_model_parallel_src_rank(*, with_context_parallel: bool = False) -> int:
+    """First global rank of this rank's tensor-parallel group (tp x cp with WorldFoundry's ``with_context_parallel``).
+
+    megatron-core's accessor takes no argument; the keyword is an extension, keyword-only so
+    that every megatron-core call form stays what it was.
+    """
     return _lookup("tp-cp.src" if flag("with_context_parallel", with_context_parallel) else "tp.src")
 
 

@@ -90,7 +90,6 @@ get_pp_rank = _acc.get_pp_rank
 get_pp_world_size = _acc.get_pp_world_size
 get_tensor_model_parallel_last_rank = _acc.get_tensor_model_parallel_last_rank
 get_tensor_model_parallel_ranks = _acc.get_tensor_model_parallel_ranks
-get_tensor_model_parallel_src_rank = _acc.get_tensor_model_parallel_src_rank
 get_tp_rank = _acc.get_tp_rank
 get_tp_world_size = _acc.get_tp_world_size
 model_parallel_is_initialized = _acc.model_parallel_is_initialized
@@ -105,6 +104,17 @@ def _get_tp_group(check_initialized: bool = True, with_context_parallel: bool = 
 # WorldFoundry puts check_initialized first; same answers as parallel_state.get_tp_group, as fast.
 get_tp_group = _compile(_get_tp_group, {(): "tp.group", (("with_context_parallel", True),): "tp-cp.group"},
                         name="get_tp_group")
+
+
+def _get_tensor_model_parallel_src_rank(with_context_parallel: bool = False) -> int:
+    """First global rank of this rank's tensor-parallel group (tp x cp with ``with_context_parallel``)."""
+    return _acc.get_tensor_model_parallel_src_rank(with_context_parallel=with_context_parallel)
+
+
+# WorldFoundry passes the flag positionally too; parallel_state's own accessor takes it by keyword only.
+get_tensor_model_parallel_src_rank = _compile(
+    _get_tensor_model_parallel_src_rank, {(): "tp.src", (("with_context_parallel", True),): "tp-cp.src"},
+    name="get_tensor_model_parallel_src_rank")
 
 
 def initialize_model_parallel(

@@ -248,6 +248,8 @@ def case_replay(world):
                tp_ranks=dist.get_process_group_ranks(D.get_tp_group()),
                tp_group_unchecked=D.get_tp_group(check_initialized=False) is ps.get_tp_group(),
                src=D.get_tensor_model_parallel_src_rank(), src_cp=D.get_tensor_model_parallel_src_rank(True),
+               ps_src_cp=ps.get_tensor_model_parallel_src_rank(with_context_parallel=True),
+               ps_src_positional=_raises(ps.get_tensor_model_parallel_src_rank, True),
                tp_list=D.get_tensor_model_parallel_ranks(with_context_parallel=True),
                last=D.get_tensor_model_parallel_last_rank(with_context_parallel=True),
                first=D.get_pipeline_model_parallel_first_rank(), pp_last=D.get_pipeline_model_parallel_last_rank(),
@@ -352,6 +354,8 @@ def test_replay_worldfoundry_call_forms(pools, world):
         assert (out["tpcp_rank"], out["tpcp_size"], out["tpcp_ranks"]) == (cp_rank, cp, cp_ranks)
         assert out["tp_group_unchecked"]
         assert (out["src"], out["src_cp"], out["tp_list"], out["last"]) == (rank, cp_ranks[0], cp_ranks, cp_ranks[-1])
+        # parallel_state's own accessor takes the flag by keyword only (megatron-core's takes no argument).
+        assert out["ps_src_cp"] == cp_ranks[0] and out["ps_src_positional"].startswith("TypeError")
         assert (out["first"], out["pp_last"]) == (pp_ranks[0], pp_ranks[-1])
         assert (out["next"], out["prev"]) == (pp_ranks[(pp_rank + 1) % pp], pp_ranks[(pp_rank - 1) % pp])
         assert out["is_last"] == (rank == world - 1) and out["is_last_tp_cp"] == (cp_rank == cp - 1)
