@@ -16,9 +16,10 @@ the master is one *round* on every rank of the default process group:
    serving), and a signal some worker has no handler for raises ``UnknownSignalError`` on every
    rank, which ends every loop.
 
-``send_exit`` ends the worker loops. Every step is a collective bounded by the default group's
-timeout, so a dead or stuck rank becomes an error on the others, never a hang (an idle worker
-also waits at most that long for the next request: give the group a timeout that covers it).
+``send_exit`` ends the worker loops. Every step is a collective over the default group (or the
+``group`` passed, an extension) bounded by its timeout, so a dead or stuck rank becomes an
+error on the others, never a hang (an idle worker also waits at most that long for the next
+request: give the group a timeout that covers it).
 """
 
 from __future__ import annotations
@@ -78,30 +79,41 @@ def get_distributed_device(local_rank: int | None = None) -> torch.device:
     return collective_device()
 
 
-def _world() -> tuple[int, int]:
-    """(rank, world size) of the default group, or (0, 1) outside a distributed run."""
+def _rank() -> int:
+    """This process's global rank (0 outside a distributed run)."""
     if not dist_ready():
-        return 0, 1
+        return 0
     import torch.distributed as dist
 
-    return dist.get_rank(), dist.get_world_size()
+    return dist.get_rank()
 
 
-def _check_master_rank(what: str, master_rank: Any) -> int:
+def _members(group: Any) -> list[int]:
+    """The global ranks of ``group`` (the default group when None); [0] outside a distributed run."""
+    if not dist_ready():
+        return [0]
+    import torch.distributed as dist
+
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
+def _check_master_rank(what: str, master_rank: Any, group: Any) -> int:
     if isinstance(master_rank, bool) or not isinstance(master_rank, int):
         raise TypeError(f"{what}: master_rank must be an int global rank, got {master_rank!r}")
-    _, world = _world()
-    if not 0 <= master_rank < world:
-        raise ValueError(f"{what}: master_rank={master_rank} is not a rank of the world of {world}; "
-                         f"pass a global rank in 0..{world - 1}")
+    members = _members(group)
+    if master_rank not in members:
+        raise ValueError(f"{what}: master_rank={master_rank} is not a member of the group (global ranks "
+                         f"{members}); pass one of them")
+    if _rank() not in members:
+        raise ValueError(f"{what}: this rank ({_rank()}) is not a member of the group (global ranks {members}); "
+                         f"create the coordinator on the group's members only")
     return master_rank
 
 
 def _comm_failure(what: str, exc: BaseException) -> ParallelStateError:
-    rank, _ = _world()
     return ParallelStateError(
-        f"rank {rank}: {what} failed: another rank died, left the protocol, or was silent for longer than the "
-        f"default group's timeout ({type(exc).__name__}: {exc})"
+        f"rank {_rank()}: {what} failed: another rank died, left the protocol, or was silent for longer than the "
+        f"group's timeout ({type(exc).__name__}: {exc})"
     )
 
 
@@ -124,13 +136,19 @@ class _Invocation:
 class SignalBus(Generic[_SignalT]):
     """Broadcasts the master's signals to every rank, numbered so that a rank out of step is an error."""
 
-    def __init__(self, *, device: torch.device, signal_type: type[_SignalT], master_rank: int = 0) -> None:
-        """``device``: where the two-int packet travels (the CPU on gloo, the rank's CUDA device on NCCL)."""
+    def __init__(self, *, device: torch.device, signal_type: type[_SignalT], master_rank: int = 0,
+                 group: Any = None) -> None:
+        """``device``: where the two-int packet travels (the CPU on gloo, the rank's CUDA device on NCCL).
+
+        ``group`` (an extension; default: the whole world) is the process group the signals go
+        over, and its timeout bounds every wait; ``master_rank`` is a global rank in it.
+        """
         if not (isinstance(signal_type, type) and issubclass(signal_type, IntEnum)):
             raise TypeError(f"SignalBus: signal_type must be an IntEnum subclass, got {signal_type!r}")
         self.device = device
         self.signal_type = signal_type
-        self.master_rank = _check_master_rank("SignalBus", master_rank)
+        self.group = group
+        self.master_rank = _check_master_rank("SignalBus", master_rank, group)
         self._counter = 0
 
     def _coerce(self, signal: Any) -> _SignalT:
@@ -147,13 +165,13 @@ class SignalBus(Generic[_SignalT]):
             import torch
             import torch.distributed as dist
 
-            rank, _ = _world()
+            rank = _rank()
             if rank != self.master_rank:
                 raise ParallelStateError(f"SignalBus.send: rank {rank} is not the master (rank {self.master_rank}); "
                                          f"only the master sends signals, the others receive them")
             packet = torch.tensor([self._counter, int(signal)], dtype=torch.int64, device=self.device)
             try:
-                dist.broadcast(packet, src=self.master_rank)
+                dist.broadcast(packet, src=self.master_rank, group=self.group)
             except RuntimeError as exc:
                 raise _comm_failure(f"sending signal {signal.name}", exc) from exc
         self._counter += 1
@@ -168,14 +186,14 @@ class SignalBus(Generic[_SignalT]):
 
         packet = torch.tensor([self._counter, 0], dtype=torch.int64, device=self.device)
         try:
-            dist.broadcast(packet, src=self.master_rank)
+            dist.broadcast(packet, src=self.master_rank, group=self.group)
         except RuntimeError as exc:
             raise _comm_failure(f"waiting for signal #{self._counter} from master rank {self.master_rank}",
                                 exc) from exc
         counter, value = (int(v) for v in packet.tolist())
         if counter != self._counter:
             raise ParallelStateError(
-                f"rank {_world()[0]}: signal number {counter} arrived where number {self._counter} was expected: "
+                f"rank {_rank()}: signal number {counter} arrived where number {self._counter} was expected: "
                 f"this rank and the master are out of step (a signal was sent or received outside the protocol)"
             )
         self._counter += 1
@@ -189,9 +207,10 @@ class SignalBus(Generic[_SignalT]):
 class PayloadBus:
     """Broadcasts picklable payloads from the master (identity outside a distributed run)."""
 
-    def __init__(self, *, master_rank: int = 0) -> None:
-        """``master_rank``: the global rank whose payload every rank receives."""
-        self.master_rank = _check_master_rank("PayloadBus", master_rank)
+    def __init__(self, *, master_rank: int = 0, group: Any = None) -> None:
+        """``master_rank``: the global rank whose payload every rank of ``group`` (default: the world) receives."""
+        self.group = group
+        self.master_rank = _check_master_rank("PayloadBus", master_rank, group)
 
     def broadcast_object(self, payload: _PayloadT) -> _PayloadT:
         """The master's ``payload`` on every rank (torch's pickle-based object broadcast: keep payloads small)."""
@@ -201,7 +220,7 @@ class PayloadBus:
 
         box = [payload]
         try:
-            dist.broadcast_object_list(box, src=self.master_rank)
+            dist.broadcast_object_list(box, src=self.master_rank, group=self.group)
         except RuntimeError as exc:
             raise _comm_failure(f"receiving the payload from master rank {self.master_rank}", exc) from exc
         return cast(_PayloadT, box[0])
@@ -222,15 +241,22 @@ class RankCoordinator(Generic[_SignalT]):
     """Runs the master's calls on every rank: the master calls, the workers serve in ``worker_loop``."""
 
     def __init__(self, *, device: torch.device, signal_type: type[_SignalT], is_master: bool, master_rank: int = 0,
-                 signal_bus: SignalBus[_SignalT] | None = None, payload_bus: PayloadBus | None = None) -> None:
-        """``is_master`` must be true exactly on ``master_rank``; the buses default to ones on ``device``."""
-        master_rank = _check_master_rank("RankCoordinator", master_rank)
-        rank, world = _world()
-        if world > 1 and bool(is_master) != (rank == master_rank):
+                 signal_bus: SignalBus[_SignalT] | None = None, payload_bus: PayloadBus | None = None,
+                 group: Any = None) -> None:
+        """``is_master`` must be true exactly on ``master_rank``; the buses default to ones on ``device``.
+
+        ``group`` (an extension; default: the whole world) is the process group every round
+        runs over; its timeout bounds every wait.
+        """
+        master_rank = _check_master_rank("RankCoordinator", master_rank, group)
+        rank = _rank()
+        if dist_ready() and bool(is_master) != (rank == master_rank):
             raise ValueError(f"RankCoordinator: is_master={is_master!r} on rank {rank}, but the master is rank "
                              f"{master_rank}; pass is_master=(rank == master_rank)")
-        self.signal_bus = signal_bus or SignalBus(device=device, signal_type=signal_type, master_rank=master_rank)
-        self.payload_bus = payload_bus or PayloadBus(master_rank=master_rank)
+        self.group = group
+        self.signal_bus = signal_bus or SignalBus(device=device, signal_type=signal_type, master_rank=master_rank,
+                                                  group=group)
+        self.payload_bus = payload_bus or PayloadBus(master_rank=master_rank, group=group)
         self.is_master = bool(is_master)
         self._lock = threading.RLock()
         self._handlers: dict[Any, _Handler] = {}
@@ -256,7 +282,7 @@ class RankCoordinator(Generic[_SignalT]):
                                      f"{signal.name}; None is what the workers pass")
                 self.signal_bus.send(signal)
             elif payload is not None:
-                raise ValueError(f"RankCoordinator.invoke: worker rank {_world()[0]} passed a payload for signal "
+                raise ValueError(f"RankCoordinator.invoke: worker rank {_rank()} passed a payload for signal "
                                  f"{getattr(signal, 'name', signal)}; only the master's payload is used, pass None")
             self._stage = _PAYLOAD  # from here on a failure is the collective's: nothing left to finish
             synced = self.payload_bus.broadcast_object(payload)
@@ -275,29 +301,29 @@ class RankCoordinator(Generic[_SignalT]):
     def _report(self, what: str, error: BaseException | None, unknown: str | None = None) -> None:
         """Every rank's outcome of this round to every rank; raise what the outcomes call for."""
         self._stage = _DONE
-        rank, world = _world()
+        rank, members = _rank(), _members(self.group)
         outcome = None
         if unknown is not None:
             outcome = ("unknown", unknown)
         elif error is not None:
             outcome = ("error", f"{type(error).__name__}: {error}")
         outcomes = [outcome]
-        if world > 1:
+        if len(members) > 1:
             import torch.distributed as dist
 
-            outcomes = [None] * world
+            outcomes = [None] * len(members)
             try:
-                dist.all_gather_object(outcomes, outcome)
+                dist.all_gather_object(outcomes, outcome, group=self.group)
             except RuntimeError as exc:
                 raise _comm_failure(f"reporting the outcome of {what}", exc) from exc
-        unknown_on = [(r, o[1]) for r, o in enumerate(outcomes) if o is not None and o[0] == "unknown"]
+        unknown_on = [(members[i], o[1]) for i, o in enumerate(outcomes) if o is not None and o[0] == "unknown"]
         if unknown_on:
             raise UnknownSignalError(
                 f"signal {unknown_on[0][1]} has no handler on rank(s) {[r for r, _ in unknown_on]}: every worker "
                 f"must register a handler for every signal the master sends (register_distributed_ops(obj) on an "
                 f"object of the same class), and the master may only send members of its signal type"
             )
-        failed = [(r, o[1]) for r, o in enumerate(outcomes) if o is not None]
+        failed = [(members[i], o[1]) for i, o in enumerate(outcomes) if o is not None]
         if not self.is_master or not failed or [r for r, _ in failed] == [rank]:
             return
         raise DistributedOpError(
@@ -344,7 +370,7 @@ class RankCoordinator(Generic[_SignalT]):
             self._stage, self._reported = _SIGNAL, None
             if handler is None:
                 self.payload_bus.broadcast_object(None)  # keep in step with the master, then tell everyone
-                self._report(name, None, unknown=f"{name} (rank {_world()[0]})")
+                self._report(name, None, unknown=f"{name} (rank {_rank()})")
             try:
                 handler.callback()
             except BaseException as exc:

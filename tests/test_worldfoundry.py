@@ -426,7 +426,6 @@ def _raises(fn, *args, **kwargs):
 
 
 def case_orchestration():
-    import torch
     import torch.distributed as dist
 
     D = _Tracked()
@@ -474,10 +473,49 @@ def case_orchestration():
         out["stray"] = _raises(coord.invoke, signal=Sig.STRAY, payload=0, handler=lambda p: p)
     else:
         out["stray"] = _raises(coord.worker_loop, exit_signal=Sig.EXIT)
+    # A coordinator over a subgroup, whose master is not rank 0 (group: this project's extension).
+    sub = dist.new_group([1, 3])
+    if rank in (1, 3):
+        sub_service = Service(D.RankCoordinator(device=device, signal_type=Sig, is_master=rank == 3, master_rank=3,
+                                                group=sub))
+        sub_service.rank_coordinator.register_distributed_ops(sub_service)
+        if rank == 3:
+            out["sub_fail"] = _raises(sub_service.fail, [1])
+            out["sub"] = sub_service.echo("from rank 3")
+            sub_service.rank_coordinator.send_exit(exit_signal=Sig.EXIT)
+        else:
+            sub_service.rank_coordinator.worker_loop(exit_signal=Sig.EXIT)
+        out["sub_log"] = sub_service.log
+    else:
+        out["outsider"] = _raises(D.RankCoordinator, device=device, signal_type=Sig, is_master=False, master_rank=3,
+                                  group=sub)
     dist.barrier()
-    out["tensor_ok"] = torch.ones(1).item()
+    dist.destroy_process_group(sub)
     out["used"] = D.used
     return out
+
+
+def case_silent_master():
+    """The master never sends: the worker's wait ends in an error at the group's timeout, not a hang."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+    coord = distributed.RankCoordinator(device=torch.device("cpu"), signal_type=Sig, is_master=dist.get_rank() == 0,
+                                        group=group)
+    err = _raises(coord.worker_loop, exit_signal=Sig.EXIT) if dist.get_rank() == 1 else None
+    dist.barrier()  # the master waits here, on the default group, while the worker times out
+    dist.destroy_process_group(group)
+    return err
+
+
+def test_a_silent_master_is_an_error_at_the_group_timeout(pools):
+    master, worker = pools(2).run(case_silent_master)
+    assert master is None
+    assert worker.startswith("ParallelStateError: rank 1: waiting for signal #0 from master rank 0 failed")
+    assert "group's timeout" in worker
 
 
 def test_orchestration_on_4_ranks(pools):
@@ -488,6 +526,13 @@ def test_orchestration_on_4_ranks(pools):
         assert "is_master" in out["wrong_master"] and "already registered" in out["dup"]
         assert out["bus"] == [Sig.ECHO, Sig.ADD] and out["payload"] == {"steps": 2}
         assert "UnknownSignalError" in out["stray"] and "STRAY" in out["stray"] and "[1, 2, 3]" in out["stray"]
+        if rank == 3:
+            assert out["sub"] == "from rank 3" and out["sub_fail"].startswith("DistributedOpError: FAIL failed on 1")
+            assert "rank 1: ValueError: boom on 1" in out["sub_fail"]
+        if rank in (1, 3):
+            assert out["sub_log"] == [("fail-ok", (1,))] * (rank == 3) + [("echo", "from rank 3")]
+        else:
+            assert "not a member of the group" in out["outsider"]
         if rank == 0:
             assert out["results"] == [3, {"prompt": "a cat"}] and out["after"] == 5
             # Workers' errors reach the master, each rank named with its exception.
