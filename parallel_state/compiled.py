@@ -44,11 +44,18 @@ def compile_accessor(reference: Callable[..., Any], fast: dict[tuple[tuple[str, 
     name = name or reference.__name__
     params = inspect.signature(reference).parameters
     for p in params.values():
-        if p.kind is not p.POSITIONAL_OR_KEYWORD or p.default not in (True, False, None):
+        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.default not in (True, False, None):
             raise ValueError(f"{name}: only parameters with True/False/None defaults can be compiled")
     ref = f"ref_{name}"
     _NS[ref] = reference
-    lines = [f"def {name}({', '.join(f'{p}={params[p].default!r}' for p in params)}):", "    try:"]
+    # Keyword-only parameters (extensions beyond megatron-core's signature) stay keyword-only.
+    decl, call = [], []
+    for p in params.values():
+        if p.kind is p.KEYWORD_ONLY and "*" not in decl:
+            decl.append("*")
+        decl.append(f"{p.name}={p.default!r}")
+        call.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
+    lines = [f"def {name}({', '.join(decl)}):", "    try:"]
     for pairs, key in fast.items():
         values = {p: params[p].default for p in params} | dict(pairs)
         # check_initialized only decides what happens without an answer, which the reference
@@ -61,7 +68,7 @@ def compile_accessor(reference: Callable[..., Any], fast: dict[tuple[tuple[str, 
         lines += [f"        if {test}:", f"            return {_variable(key)}"] if test else \
             [f"        return {_variable(key)}"]
     lines += ["    except NameError:  # no answer yet: the reference accessor explains", "        pass",
-              f"    return {ref}({', '.join(params)})"]
+              f"    return {ref}({', '.join(call)})"]
     exec("\n".join(lines), _NS)  # noqa: S102  (source built above from parameter names and answer keys)
     compiled = _NS.pop(name)
     compiled.__doc__, compiled.__module__, compiled.__qualname__ = reference.__doc__, reference.__module__, name
