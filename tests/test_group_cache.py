@@ -125,6 +125,8 @@ def case_subsets():
                dp=dist.get_process_group_ranks(ps.get_data_parallel_group()),
                sizes=(ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size()),
                cp_rank=ps.get_context_parallel_rank(), dpcp_sum=t.item())
+    if rank >= 4:  # the DeviceMesh over a subset holds the subset's global ranks
+        out["mesh"] = ps.device_mesh().mesh.tolist()
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=4, timeout=SECONDS)
     out["world_cp"] = dist.get_process_group_ranks(ps.get_context_parallel_group())
@@ -139,6 +141,7 @@ def test_disjoint_subsets_run_side_by_side_then_the_whole_world(pools):
         else:
             assert r["cp"] == ([4, 5] if rank < 6 else [6, 7]) and r["sizes"] == (2, 2)
             assert r["dp"] == ([4, 6] if rank % 2 == 0 else [5, 7]) and r["cp_rank"] == rank % 2
+            assert r["mesh"] == [[[[4], [5]], [[6], [7]]]]  # [pp][dp][cp][tp]
         assert r["dpcp_sum"] == 4.0
         assert r["world_cp"] == ([0, 2, 4, 6] if rank % 2 == 0 else [1, 3, 5, 7])
 
