@@ -30,6 +30,8 @@ class ParallelState:
     cache_key: str | None = None
     #: ("main" | "gloo", kind) -> the key of that group in the group cache.
     group_keys: dict[tuple[str, str], Any] = field(default_factory=dict)
+    #: Whether the whole topology came back from the group cache (no group was created).
+    from_cache: bool = False
     virtual_pipeline_size: int | None = None
     virtual_pipeline_rank: int | None = None
     #: kind -> this rank's group's ranks, computed once (a group can hold thousands of ranks).
@@ -111,12 +113,15 @@ def build(
     virtual_pipeline_size: int | None = None,
     sharp_kind: str | None = None,
     cache_key: str | None = None,
+    caches_agree: bool | None = None,
 ) -> ParallelState:
     """Create this rank's groups for ``plan`` and install them; on any error nothing is left behind.
 
     ``plan.ranks`` (a subset of the world) limits every group, and every exchange, to those ranks.
     With the group cache on, ``cache_key`` names the topology: a cached one comes back whole, and
     each group of a new one is taken from the cache where one with the same key is there.
+    ``caches_agree`` says whether the ranks involved hold the same cached topologies (None: not
+    known yet, so the build compares them in a round of its own).
     """
     global _state
     import torch.distributed as dist
@@ -145,13 +150,17 @@ def build(
         from parallel_state.consistency import values_if_different
 
         # Every rank involved must hold the same cached topologies, or their reuse decisions would differ.
-        if values_if_different("parallel_state group cache", group_cache.fingerprint(), timeout, members) is not None:
+        if caches_agree is None:
+            fingerprint = group_cache.fingerprint()
+            caches_agree = values_if_different("parallel_state group cache", fingerprint, timeout, members) is None
+        if not caches_agree:
             group_cache.drop_all()
         state.cache_key = cache_key
         entry = group_cache.take(cache_key)
         if entry is not None:
             state.groups, state.gloo_groups, state.owned = entry.groups, entry.gloo_groups, entry.owned
             state.group_keys = dict(entry.keys)
+            state.from_cache = True
             _state = state
             _changed()
             return state
