@@ -186,13 +186,13 @@ def build(
                 batch.skip(plan.num_groups(kind))
                 continue
             if where == "main":
-                # A separate gloo group even on a gloo world, as megatron-core builds it.
                 backend, desc = pipeline_backend if kind == "pp" else None, row(kind).label
-            else:
+            else:  # a separate gloo group even on a gloo world, as megatron-core builds it
                 backend, desc = "gloo", f"{row(kind).label}_GLOO"
             # NCCL options go to NCCL groups only (megatron-core: none for a ucc pipeline).
             nccl = where == "main" and backend in (None, "nccl")
-            key = (where, desc, state.ranks(kind), backend, nccl_key(kind) if nccl else None, kind == sharp_kind,
+            sharp = where == "main" and kind == sharp_kind
+            key = (where, desc, state.ranks(kind), backend, nccl_key(kind) if nccl else None, sharp,
                    timeout.total_seconds())
             state.group_keys[(where, kind)] = key
             cached = group_cache.find(key) if reuse and state.ranks(kind) else None
@@ -201,7 +201,7 @@ def build(
                 used.append(cached)
                 batch.skip(plan.num_groups(kind))
                 continue
-            with sharp_enabled(kind == sharp_kind) as enable:
+            with sharp_enabled(sharp) as enable:
                 groups[kind] = enable(_create(batch, state, kind, backend=backend,
                                               pg_options=nccl_options(kind) if nccl else None, desc=desc))
         batch.wait_for_members()
