@@ -78,23 +78,28 @@ def _send_tensor(m: meta.Meta, tensor: Any, src: int, group: Any) -> torch.Tenso
     return out
 
 
-def robust_broadcast(tensor: torch.Tensor | None, src: int, group: Any) -> torch.Tensor:
-    """Broadcast ``tensor`` from global rank ``src``; shape and dtype travel first.
+def robust_broadcast(tensor: torch.Tensor | None, src: int, pg: Any, is_check_shape: bool = False) -> torch.Tensor:
+    """Broadcast ``tensor`` from global rank ``src`` over group ``pg``; shape and dtype travel first.
 
     Receivers may start with a tensor of another shape or dtype, None, or any non-tensor; each gets a
     new tensor with the source's shape and dtype. The source gets its own tensor back (moved to a
-    device the group can carry, if it was not on one). ``group=None`` returns ``tensor`` itself.
+    device the group can carry, if it was not on one). ``pg=None`` returns ``tensor`` itself. With
+    ``is_check_shape`` a receiver's tensor must have the source's shape and dtype (None passes):
+    otherwise every rank raises ValueError naming the ranks that differ, before any data moves.
     """
+    group = pg  # WorldFoundry's parameter name
     if group is None:
         return tensor
     what = "robust_broadcast"
-    check_group(group, what, "group")
+    check_group(group, what, "pg (the process group)")
     _check_src(what, src, global_ranks(group))
     if group.size() == 1:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{what}: the source, global rank {src}, passed no tensor (it passed "
                             f"{type(tensor).__name__}); pass a torch.Tensor on the source rank")
         return tensor
+    if is_check_shape:
+        debug.check_matches_source(f"{what}(is_check_shape=True)", tensor, global_ranks(group).index(src), group)
     m, moved = _share_header(what, tensor, src, group, objects=False)
     if m.kind == meta.NONE:
         raise TypeError(f"{what}: the source, global rank {src}, passed None; pass a torch.Tensor on the "

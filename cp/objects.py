@@ -16,16 +16,17 @@ from cp.shard import shard_sizes
 
 def _check_list(what: str, objs: Any) -> None:
     if not isinstance(objs, (list, tuple)):
-        raise TypeError(f"{what}: objs must be a list or tuple, got {type(objs).__name__}")
+        raise TypeError(f"{what}: object_list must be a list or tuple, got {type(objs).__name__}")
 
 
-def split_inputs_cp_object_list(objs: Sequence[Any], cp_group: Any = None, *, uneven: bool = False
+def split_inputs_cp_object_list(object_list: Sequence[Any], cp_group: Any = None, *, uneven: bool = False
                                 ) -> Sequence[Any]:
-    """This rank's contiguous part of ``objs`` (part i for the group's rank i), of the same type as ``objs``.
+    """This rank's contiguous part of ``object_list`` (part i for the group's rank i), of the same type as ``object_list``.
 
     The length must divide by the group size, unless ``uneven``: then part i holds
-    ``shard_sizes(len(objs), n)[i]`` objects. ``cp_group=None`` (or a group of one) returns ``objs`` itself.
+    ``shard_sizes(len(object_list), n)[i]`` objects. ``cp_group=None`` (or a group of one) returns ``object_list`` itself.
     """
+    objs = object_list  # WorldFoundry's parameter name
     if cp_group is None:
         return objs
     what = "split_inputs_cp_object_list"
@@ -49,14 +50,15 @@ def split_inputs_cp_object_list(objs: Sequence[Any], cp_group: Any = None, *, un
     return objs[start:start + sizes[cp_group.rank()]]
 
 
-def cat_outputs_cp_object_list(objs: Sequence[Any], cp_group: Any = None, *, length: int | None = None
+def cat_outputs_cp_object_list(object_list: Sequence[Any], cp_group: Any = None, *, length: int | None = None
                                ) -> list[Any]:
-    """Every rank's ``objs`` concatenated in group-rank order (ranks may hold different lengths).
+    """Every rank's ``object_list`` concatenated in group-rank order (ranks may hold different lengths).
 
     ``length``: the expected total; then rank i must hold ``shard_sizes(length, n)[i]`` objects, and any
     other count is a ValueError naming the ranks, raised on every rank (checked after the one gather,
-    which sends every rank's count anyway). ``cp_group=None`` (or a group of one) returns ``objs`` itself.
+    which sends every rank's count anyway). ``cp_group=None`` (or a group of one) returns ``object_list`` itself.
     """
+    objs = object_list  # WorldFoundry's parameter name
     if cp_group is None:
         return objs  # type: ignore[return-value]
     what = "cat_outputs_cp_object_list"

@@ -125,6 +125,8 @@ def case_subsets():
                dp=dist.get_process_group_ranks(ps.get_data_parallel_group()),
                sizes=(ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size()),
                cp_rank=ps.get_context_parallel_rank(), dpcp_sum=t.item())
+    if rank >= 4:  # the DeviceMesh over a subset holds the subset's global ranks
+        out["mesh"] = ps.device_mesh().mesh.tolist()
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=4, timeout=SECONDS)
     out["world_cp"] = dist.get_process_group_ranks(ps.get_context_parallel_group())
@@ -139,6 +141,7 @@ def test_disjoint_subsets_run_side_by_side_then_the_whole_world(pools):
         else:
             assert r["cp"] == ([4, 5] if rank < 6 else [6, 7]) and r["sizes"] == (2, 2)
             assert r["dp"] == ([4, 6] if rank % 2 == 0 else [5, 7]) and r["cp_rank"] == rank % 2
+            assert r["mesh"] == [[[[4], [5]], [[6], [7]]]]  # [pp][dp][cp][tp]
         assert r["dpcp_sum"] == 4.0
         assert r["world_cp"] == ([0, 2, 4, 6] if rank % 2 == 0 else [1, 3, 5, 7])
 
@@ -222,3 +225,34 @@ def test_the_serving_example_builds_groups_only_for_the_first_request_at_each_cp
         new = [r["new_groups"] for r in requests]
         assert new[0] > 0 and new[1] > 0 and new[2:] == [0, 0, 0], new
         assert cache["cache"]["topologies"] == 2
+
+
+def case_diverged_caches():
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    rank = dist.get_rank()
+    ps.enable_group_cache()
+    try:
+        ps.initialize_model_parallel(context_parallel_size=4, timeout=SECONDS)
+        ps.destroy_model_parallel()
+        # The two halves now cache different subset topologies.
+        half = [0, 1] if rank < 2 else [2, 3]
+        ps.initialize_model_parallel(**({"context_parallel_size": 2} if rank < 2 else {"tensor_model_parallel_size": 2}),
+                                     ranks=half, timeout=SECONDS)
+        ps.destroy_model_parallel()
+        before = ps.group_cache_info()["topologies"]
+        # The whole world again: the caches differ, so every rank empties its own and builds afresh.
+        ps.initialize_model_parallel(context_parallel_size=4, timeout=SECONDS)
+        sizes = _answers()["sizes"]
+        during = ps.group_cache_info()["topologies"]
+        ps.destroy_model_parallel()
+        after = ps.group_cache_info()["topologies"]
+    finally:
+        ps.clear_group_cache()
+    return before, sizes, during, after, len(c10d._world.pg_map)
+
+
+def test_ranks_whose_caches_differ_empty_them_and_build_afresh(pools):
+    for before, sizes, during, after, left in pools(4).run(case_diverged_caches, timeout=120):
+        assert before == 2 and sizes == (1, 4, 1, 1) and during == 0 and after == 1 and left == 1

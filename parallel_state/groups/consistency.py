@@ -26,20 +26,28 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 def check_same_everywhere(what: str, config: Mapping[str, Any], *,
-                          timeout: datetime.timedelta | None = None, members: Sequence[int] | None = None) -> None:
+                          timeout: datetime.timedelta | None = None, members: Sequence[int] | None = None,
+                          tolerate: Sequence[str] = ()) -> bool:
     """Return when every rank of the default group (or of ``members``, sorted global ranks) passed an
     equal ``config`` for ``what``.
 
     Otherwise raise ParallelStateError on every rank: naming the ranks that disagree and
     their values, or, when some ranks did not arrive within ``timeout``, naming those. Every
     rank must call it the same number of times for the same ``what``. Values are compared as
-    JSON (``repr`` for anything else), so pass plain data.
+    JSON (``repr`` for anything else), so pass plain data. Keys in ``tolerate`` may differ:
+    then it returns False on every rank instead of raising (True when everything agreed).
     """
     if not isinstance(config, Mapping) or not all(isinstance(k, str) for k in config):
         raise ParallelStateTypeError(f"config must be a dict of argument name (str) -> value, got {config!r}")
     values = values_if_different(what, json.dumps(dict(config), sort_keys=True, default=repr), timeout, members)
-    if values is not None:
-        raise ParallelStateError(_mismatch_message(what, values, members))
+    if values is None:
+        return True
+    if tolerate:
+        strict = {json.dumps({k: v for k, v in json.loads(value).items() if k not in tolerate}, sort_keys=True)
+                  for value in values}
+        if len(strict) == 1:
+            return False
+    raise ParallelStateError(_mismatch_message(what, values, members))
 
 
 def confirm_everywhere(what: str, error: BaseException | None, *, timeout: datetime.timedelta | None = None,

@@ -31,6 +31,8 @@ class ParallelState:
     cache_key: str | None = None
     #: ("main" | "gloo", kind) -> the key of that group in the group cache.
     group_keys: dict[tuple[str, str], Any] = field(default_factory=dict)
+    #: Whether the whole topology came back from the group cache (no group was created).
+    from_cache: bool = False
     virtual_pipeline_size: int | None = None
     virtual_pipeline_rank: int | None = None
     #: kind -> this rank's group's ranks, computed once (a group can hold thousands of ranks).
@@ -112,12 +114,15 @@ def build(
     virtual_pipeline_size: int | None = None,
     sharp_kind: str | None = None,
     cache_key: str | None = None,
+    caches_agree: bool | None = None,
 ) -> ParallelState:
     """Create this rank's groups for ``plan`` and install them; on any error nothing is left behind.
 
     ``plan.ranks`` (a subset of the world) limits every group, and every exchange, to those ranks.
     With the group cache on, ``cache_key`` names the topology: a cached one comes back whole, and
     each group of a new one is taken from the cache where one with the same key is there.
+    ``caches_agree`` says whether the ranks involved hold the same cached topologies (None: not
+    known yet, so the build compares them in a round of its own).
     """
     global _state
     import torch.distributed as dist
@@ -145,13 +150,17 @@ def build(
         from parallel_state.groups.consistency import values_if_different
 
         # Every rank involved must hold the same cached topologies, or their reuse decisions would differ.
-        if values_if_different("parallel_state group cache", group_cache.fingerprint(), timeout, members) is not None:
+        if caches_agree is None:
+            fingerprint = group_cache.fingerprint()
+            caches_agree = values_if_different("parallel_state group cache", fingerprint, timeout, members) is None
+        if not caches_agree:
             group_cache.drop_all()
         state.cache_key = cache_key
         entry = group_cache.take(cache_key)
         if entry is not None:
             state.groups, state.gloo_groups, state.owned = entry.groups, entry.gloo_groups, entry.owned
             state.group_keys = dict(entry.keys)
+            state.from_cache = True
             _state = state
             _changed()
             return state
@@ -177,13 +186,13 @@ def build(
                 batch.skip(plan.num_groups(kind))
                 continue
             if where == "main":
-                # A separate gloo group even on a gloo world, as megatron-core builds it.
                 backend, desc = pipeline_backend if kind == "pp" else None, row(kind).label
-            else:
+            else:  # a separate gloo group even on a gloo world, as megatron-core builds it
                 backend, desc = "gloo", f"{row(kind).label}_GLOO"
             # NCCL options go to NCCL groups only (megatron-core: none for a ucc pipeline).
             nccl = where == "main" and backend in (None, "nccl")
-            key = (where, desc, state.ranks(kind), backend, nccl_key(kind) if nccl else None, kind == sharp_kind,
+            sharp = where == "main" and kind == sharp_kind
+            key = (where, desc, state.ranks(kind), backend, nccl_key(kind) if nccl else None, sharp,
                    timeout.total_seconds())
             state.group_keys[(where, kind)] = key
             cached = group_cache.find(key) if reuse and state.ranks(kind) else None
@@ -192,7 +201,7 @@ def build(
                 used.append(cached)
                 batch.skip(plan.num_groups(kind))
                 continue
-            with sharp_enabled(kind == sharp_kind) as enable:
+            with sharp_enabled(sharp) as enable:
                 groups[kind] = enable(_create(batch, state, kind, backend=backend,
                                               pg_options=nccl_options(kind) if nccl else None, desc=desc))
         batch.wait_for_members()

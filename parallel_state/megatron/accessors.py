@@ -245,7 +245,6 @@ get_virtual_pipeline_model_parallel_world_size = _value(
     "vpp.size", "The interleaved schedule's number of model chunks per stage, or None.")
 get_virtual_pipeline_model_parallel_rank = _value("vpp.rank", "The interleaved schedule's current model chunk, or None.")
 
-get_tensor_model_parallel_src_rank = _value("tp.src", "First global rank of this rank's tensor-parallel group.")
 get_model_parallel_src_rank = _value("tp-pp.src", "Global rank of the first member of this rank's tp x pp group.")
 get_expert_model_parallel_src_rank = _value("ep.src", "First global rank of this rank's expert-parallel group.")
 get_pipeline_model_parallel_first_rank = _value("pp.first", "Global rank of the first stage of this rank's pipeline.")
@@ -255,6 +254,15 @@ get_pipeline_model_parallel_next_rank = _value(
 get_pipeline_model_parallel_prev_rank = _value(
     "pp.prev", "Global rank of the previous stage; the first stage's previous is the last (a ring).")
 get_all_ranks = _value("all_ranks", "This rank's tp, dp, cp, pp and ep ranks joined by '_' (megatron-core's format).")
+
+
+def get_tensor_model_parallel_src_rank(*, with_context_parallel: bool = False) -> int:
+    """First global rank of this rank's tensor-parallel group (tp x cp with WorldFoundry's ``with_context_parallel``).
+
+    megatron-core's accessor takes no argument; the keyword is an extension, keyword-only so
+    that every megatron-core call form stays what it was.
+    """
+    return _lookup("tp-cp.src" if flag("with_context_parallel", with_context_parallel) else "tp.src")
 
 
 def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
@@ -363,6 +371,7 @@ for _fn, _variants in {
     get_expert_data_parallel_group: dict(default="edp.group", partial="edp-intra.group"),
     get_expert_data_parallel_group_gloo: dict(default="edp.gloo", partial="edp-intra.gloo"),
     get_data_parallel_src_rank: dict(default="dp.src", cp="dp-cp.src"),
+    get_tensor_model_parallel_src_rank: dict(default="tp.src", cp="tp-cp.src"),
     is_pipeline_first_stage: dict(default="pp.is_first"), is_pipeline_last_stage: dict(default="pp.is_last"),
     is_rank_in_embedding_group: dict(default="embd.in"), is_rank_in_position_embedding_group: dict(default="pos-embd.in"),
     get_tp_group: dict(default="tp.group", cp="tp-cp.group"), get_tp_rank: dict(default="tp.rank", cp="tp-cp.rank"),

@@ -60,6 +60,7 @@ DERIVED: dict[str, Callable[[Any], Any]] = {
     "pp.next": lambda a: _pp_at(a, 1),
     "pp.prev": lambda a: _pp_at(a, -1),
     "tp.src": lambda a: a("tp.ranks")[0],
+    "tp-cp.src": lambda a: a("tp-cp.ranks")[0],
     "tp-pp.src": lambda a: a("tp-pp.ranks")[0],
     "dp.src": lambda a: a("dp.ranks")[0],
     "dp-cp.src": lambda a: a("dp-cp.ranks")[0],

@@ -121,12 +121,17 @@ def initialize_model_parallel(
         "megatron_holds_own_groups": clash is not None,
         "group_cache": group_cache.enabled(),
     }
+    cache_key = _cache_key(config, timeout, members, nccl_communicator_config_path, high_priority_stream_groups)
+    caches_agree = None  # unknown: the build compares the caches itself
     if check_consistency:
         from parallel_state.groups.consistency import check_same_everywhere
 
         # Compared before any local validation, so a rank with a bad argument is named on every
-        # rank instead of failing alone and leaving the others waiting.
-        check_same_everywhere("initialize_model_parallel", config, timeout=timeout, members=members)
+        # rank instead of failing alone and leaving the others waiting. The cached topologies
+        # ride along (one round for both); where only they differ, the caches are emptied.
+        extra = {"cached_topologies": group_cache.fingerprint()} if group_cache.enabled() else {}
+        caches_agree = check_same_everywhere("initialize_model_parallel", {**config, **extra}, timeout=timeout,
+                                             members=members, tolerate=tuple(extra))
     if clash is not None:
         raise ParallelStateError(clash)
 
@@ -146,11 +151,10 @@ def initialize_model_parallel(
             high_priority_stream_groups=high_priority_stream_groups, sharp_enabled_group=sharp_enabled_group,
             create_all_gather_group=create_all_gather_group,
         )
-        _st.build(plan, timeout=timeout, create_gloo_process_groups=create_gloo_process_groups,
-                  pipeline_backend=backend, nccl_options=nccl_options, nccl_key=nccl_key, virtual_pipeline_size=vpp,
-                  sharp_kind=_sharp_kind(use_sharp, sharp_enabled_group),
-                  cache_key=_cache_key(config, timeout, members, nccl_communicator_config_path,
-                                       high_priority_stream_groups))
+        state = _st.build(plan, timeout=timeout, create_gloo_process_groups=create_gloo_process_groups,
+                          pipeline_backend=backend, nccl_options=nccl_options, nccl_key=nccl_key,
+                          virtual_pipeline_size=vpp, sharp_kind=_sharp_kind(use_sharp, sharp_enabled_group),
+                          cache_key=cache_key, caches_agree=caches_agree)
     except Exception as exc:
         # Ranks that agreed on the arguments fail alike here, unless their environments
         # differ (a missing file, a backend one node lacks): either way, tell the others, so
@@ -159,9 +163,10 @@ def initialize_model_parallel(
             _confirm(exc, timeout, members)
         raise
     try:
-        if check_consistency:
+        if check_consistency and not state.from_cache:
             # Every rank returns only once every rank has built its groups: all or none keep
-            # them, and no rank can destroy a group a peer is still connecting to.
+            # them, and no rank can destroy a group a peer is still connecting to. (A topology
+            # taken whole from the cache was taken on every rank alike: nothing can have failed.)
             _confirm(None, timeout, members)
         _set_companions()
         _bridge_if_megatron_loaded()

@@ -101,7 +101,8 @@ def _mesh_tensor(plan: Any) -> Any:
     # Any other token of the order (ep) has size 1 in this layout: expert parallelism, where the
     # core has it, lays out a grid of its own.
     layout = [d for d in reversed(plan.dims) if d in sizes]
-    grid = torch.arange(plan.world_size, dtype=torch.int).reshape([sizes[d] for d in layout])
+    # Plan positions, then their global ranks (a topology over a subset of the world).
+    grid = torch.tensor(plan.all_ranks, dtype=torch.int).reshape([sizes[d] for d in layout])
     return grid.permute([layout.index(d) for d in MESH_DIMS]).contiguous()
 
 
@@ -224,6 +225,11 @@ def fsdp_mesh(shard_size: int | None = None, *, device_type: str | None = None) 
     global _owner
     state = _live_state("parallel_state.fsdp_mesh()")
     plan, rank = state.plan, state.rank
+    if plan.ranks is not None:
+        raise ParallelStateError(
+            "parallel_state.fsdp_mesh() builds its groups over the whole world; this topology was initialized "
+            f"over ranks {list(plan.ranks)}: use device_mesh()['dp', 'cp'] there, or initialize without ranks="
+        )
     dpcp = plan.group_ranks("dp-cp", rank)
     n = len(dpcp)
     size = _shard_size(shard_size, n, plan)
