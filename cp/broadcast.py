@@ -13,6 +13,7 @@ get it on their own device of that type (the current CUDA device for CUDA).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from cp import debug, meta
 from cp.comm import as_bytes, check_group, global_ranks, local_device, meta_device, transport_device
-from cp.shard import check_divisible, normalize_dim
+from cp.shard import check_divisible, normalize_dim, uneven_sizes
 
 
 def _check_src(what: str, src: Any, ranks: list[int]) -> None:
@@ -126,15 +127,16 @@ def broadcast(item: Any, process_group: Any = None) -> Any:
     return _send_tensor(m, moved, src, process_group)
 
 
-def broadcast_split_tensor(tensor: torch.Tensor | None, seq_dim: int, process_group: Any = None
-                           ) -> torch.Tensor | None:
+def broadcast_split_tensor(tensor: torch.Tensor | None, seq_dim: int, process_group: Any = None, *,
+                           uneven: bool = False) -> torch.Tensor | None:
     """Broadcast ``tensor`` from the group's lowest global rank, then return this rank's shard of it.
 
-    Equivalent to ``split_inputs_cp(broadcast(tensor, g), seq_dim, g)``, but each rank receives only
-    its own shard (a scatter), so the wire carries 1/n of what a broadcast would. Receivers may pass
-    None or a placeholder. When the source passes None every rank gets None. ``process_group=None``
-    returns ``tensor`` itself. With PARALLEL_STATE_DEBUG=1 a rank whose tensor's shape or dtype
-    differs from the source's raises on every rank first.
+    Equivalent to ``split_inputs_cp(broadcast(tensor, g), seq_dim, g, uneven=uneven)``, but each rank
+    receives only its own shard (a scatter), so the wire carries 1/n of what a broadcast would. Receivers
+    may pass None or a placeholder. When the source passes None every rank gets None. ``uneven``: shard
+    i holds ``shard_sizes(length, n)[i]`` elements (the scatter pads the shorter shards by one row).
+    ``process_group=None`` returns ``tensor`` itself. With PARALLEL_STATE_DEBUG=1 a rank whose tensor's
+    shape or dtype differs from the source's raises on every rank first.
     """
     if process_group is None:
         return tensor
@@ -142,6 +144,8 @@ def broadcast_split_tensor(tensor: torch.Tensor | None, seq_dim: int, process_gr
     check_group(process_group, what, "process_group")
     if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
         raise TypeError(f"{what}: seq_dim must be an int, got {type(seq_dim).__name__} {seq_dim!r}")
+    if not isinstance(uneven, bool):
+        raise TypeError(f"{what}: uneven must be True or False, got {type(uneven).__name__} {uneven!r}")
     n = process_group.size()
     ranks = global_ranks(process_group)
     src = min(ranks)
@@ -151,7 +155,9 @@ def broadcast_split_tensor(tensor: torch.Tensor | None, seq_dim: int, process_gr
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{what}: the source, global rank {src}, passed no tensor (it passed "
                             f"{type(tensor).__name__}); pass a torch.Tensor or None")
-        normalize_dim(what, tensor.shape, seq_dim, n)
+        dim = normalize_dim(what, tensor.shape, seq_dim, n)
+        if uneven:
+            uneven_sizes(what, tensor.shape, seq_dim, dim, n)
         return tensor
     if debug.enabled():
         debug.check_matches_source(what, tensor, ranks.index(src), process_group)
@@ -160,15 +166,43 @@ def broadcast_split_tensor(tensor: torch.Tensor | None, seq_dim: int, process_gr
         return None
     # Every rank validates the source's shape, so a bad one raises everywhere and nothing waits.
     dim = normalize_dim(what, m.shape, seq_dim, n)
-    check_divisible(what, m.shape, seq_dim, dim, n)
-    length = m.shape[dim] // n
-    shard_shape = m.shape[:dim] + (length,) + m.shape[dim + 1:]
+    if uneven:
+        sizes = uneven_sizes(what, m.shape, seq_dim, dim, n)
+    else:
+        check_divisible(what, m.shape, seq_dim, dim, n)
+        sizes = (m.shape[dim] // n,) * n
+    rank = process_group.rank()
+    shard_shape = m.shape[:dim] + (sizes[rank],) + m.shape[dim + 1:]
     out = torch.empty(shard_shape, dtype=m.dtype, device=local_device(m.device_type))
     if out.numel() == 0:
         return out
+    is_src = dist.get_rank() == src
+    starts = [sum(sizes[:i]) for i in range(n)]
+    if len(set(sizes)) == 1:
+        pieces = None
+        if is_src:
+            # Views when the shards are contiguous already (seq_dim leading), else one copy in all.
+            pieces = [as_bytes(moved.narrow(dim, starts[i], sizes[i]).contiguous()) for i in range(n)]
+        dist.scatter(as_bytes(out), pieces, src=src, group=process_group)
+        return out
+    # Uneven: every piece travels padded to the longest shard (one unread row per leading index).
+    pre, big = math.prod(m.shape[:dim]), max(sizes)
+    row = math.prod(m.shape[dim + 1:])
     pieces = None
-    if dist.get_rank() == src:
-        # Views when the shards are contiguous already (seq_dim leading), else one copy in all.
-        pieces = [as_bytes(moved.narrow(dim, i * length, length).contiguous()) for i in range(n)]
-    dist.scatter(as_bytes(out), pieces, src=src, group=process_group)
+    if is_src:
+        pieces = []
+        for i in range(n):
+            piece = moved.narrow(dim, starts[i], sizes[i])
+            if sizes[i] == big:
+                pieces.append(as_bytes(piece.contiguous()))
+            else:
+                padded = torch.empty(pre, big, row, dtype=m.dtype, device=moved.device)
+                padded[:, :sizes[i]].copy_(piece.reshape(pre, sizes[i], row))
+                pieces.append(as_bytes(padded))
+    if sizes[rank] == big:
+        dist.scatter(as_bytes(out), pieces, src=src, group=process_group)
+        return out
+    recv = torch.empty(pre, big, row, dtype=m.dtype, device=out.device)
+    dist.scatter(as_bytes(recv), pieces, src=src, group=process_group)
+    out.view(pre, sizes[rank], row).copy_(recv[:, :sizes[rank]])
     return out

@@ -11,6 +11,13 @@ by its owner's broadcast straight into the slot (gloo's all-gather receives into
 and copies out of it), and this rank's own slot is copied while the others are in flight. Otherwise
 (NCCL, or small tensors where n round trips cost more than copies) one all-gather fills one buffer.
 On CPU the receive buffer is reused across calls; the result is always a new tensor.
+
+Uneven shards (``uneven=True`` / ``length=``): shard i holds ``shard_sizes(length, n)[i]`` elements
+(torch.tensor_split's rule). The gather first all-gathers every rank's small shape header, so a
+shard of the wrong size, dtype or other dims is a ValueError naming the ranks on every rank, never
+a hang or an abort inside the collective; then the broadcasts path receives each shard at its own
+size, and the all-gather path pads every shard to the largest (at most one row more). The even
+default runs no extra collective.
 """
 
 from __future__ import annotations
@@ -21,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cp import debug
-from cp.comm import all_gather_into, as_bytes, backend_for, check_group, global_ranks
+from cp import debug, meta
+from cp.comm import all_gather_into, as_bytes, backend_for, check_group, global_ranks, meta_device
 from cp.workspace import discard, workspace
 
 
@@ -76,59 +83,160 @@ def check_divisible(what: str, shape: tuple[int, ...], seq_dim: int, dim: int, g
     if shape[dim] % group_size:
         raise ValueError(
             f"{what}: cannot split shape {tuple(shape)} along seq_dim={seq_dim} (size {shape[dim]}) into "
-            f"{group_size} equal shards for a group of size {group_size}: pad dim {dim} to a multiple of "
-            f"{group_size} or use a group whose size divides {shape[dim]}"
+            f"{group_size} equal shards for a group of size {group_size}: pass uneven=True (shards differing "
+            f"by at most one), pad dim {dim} to a multiple of {group_size} or use a group whose size divides "
+            f"{shape[dim]}"
         )
 
 
-def split_inputs_cp(x: torch.Tensor, seq_dim: int, cp_group: Any = None) -> torch.Tensor:
+def uneven_sizes(what: str, shape: tuple[int, ...], seq_dim: int, dim: int, group_size: int) -> tuple[int, ...]:
+    """``shard_sizes(shape[dim], group_size)``; ValueError naming the shape when it is shorter than the group."""
+    if shape[dim] < group_size:
+        raise ValueError(
+            f"{what}: cannot split shape {tuple(shape)} along seq_dim={seq_dim} (size {shape[dim]}) into "
+            f"{group_size} shards of at least one element for a group of size {group_size}: use a group of "
+            f"at most {shape[dim]} ranks or a longer sequence"
+        )
+    return shard_sizes(shape[dim], group_size)
+
+
+def _check_uneven(what: str, uneven: Any) -> None:
+    if not isinstance(uneven, bool):
+        raise TypeError(f"{what}: uneven must be True or False, got {type(uneven).__name__} {uneven!r}")
+
+
+def _check_length(what: str, length: Any) -> None:
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int)):
+        raise TypeError(f"{what}: length must be an int (the full length along seq_dim) or None, "
+                        f"got {type(length).__name__} {length!r}")
+
+
+def split_inputs_cp(x: torch.Tensor, seq_dim: int, cp_group: Any = None, *, uneven: bool = False) -> torch.Tensor:
     """This rank's contiguous shard of ``x`` along ``seq_dim`` (shard i for the group's rank i).
 
     ``cp_group=None`` (or a group of one) returns ``x`` itself. The shard is copied at most once: when
     it is already contiguous in memory (``seq_dim`` leading, or all dims before it of size 1) it is a
     view that shares ``x``'s memory, as ``x`` itself does when CP is off; clone it before writing to it
-    in place if ``x`` must stay untouched.
+    in place if ``x`` must stay untouched. The length along ``seq_dim`` must divide by the group size,
+    unless ``uneven``: then shard i holds ``shard_sizes(length, n)[i]`` elements (the first
+    ``length % n`` shards one more), and only a length below the group size is an error.
     """
     if cp_group is None:
         return x
     what = "split_inputs_cp"
     check_tensor(what, x)
     check_group(cp_group, what)
+    _check_uneven(what, uneven)
     n = cp_group.size()
     dim = normalize_dim(what, x.shape, seq_dim, n)
-    check_divisible(what, x.shape, seq_dim, dim, n)
+    if uneven:
+        sizes = uneven_sizes(what, x.shape, seq_dim, dim, n)
+    else:
+        check_divisible(what, x.shape, seq_dim, dim, n)
     if n == 1:
         return x
+    rank = cp_group.rank()
+    if uneven:
+        return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
     length = x.shape[dim] // n
-    return x.narrow(dim, cp_group.rank() * length, length).contiguous()
+    return x.narrow(dim, rank * length, length).contiguous()
 
 
-def _gather_dim(what: str, x: torch.Tensor, seq_dim: int, cp_group: Any) -> int | None:
-    """Check a gather's arguments; the normalized dim, or None when there is nothing to gather."""
+def _gather_dim(what: str, x: torch.Tensor, seq_dim: int, cp_group: Any, length: Any = None,
+                uneven: bool = False) -> tuple[int | None, tuple[int, ...] | None]:
+    """Check a gather's arguments: the normalized dim (None when there is nothing to gather) and, for an
+    uneven gather, every rank's shard size, agreed on every rank."""
     if cp_group is None:
-        return None
+        return None, None
     check_tensor(what, x)
     check_group(cp_group, what)
+    _check_uneven(what, uneven)
+    _check_length(what, length)
     n = cp_group.size()
     dim = normalize_dim(what, x.shape, seq_dim, n)
     if n == 1:
-        return None
+        if length is not None and x.shape[dim] != length:
+            raise ValueError(f"{what}: x has {x.shape[dim]} elements along seq_dim={seq_dim} but length={length}; "
+                             f"in a group of one the shard is the whole sequence")
+        return None, None
+    if length is not None or uneven:
+        return dim, agree_shards(what, x, seq_dim, dim, cp_group, length)
     if debug.enabled():
         debug.check_same(what, x, cp_group)
-    return dim
+    return dim, None
 
 
-def cat_outputs_cp(x: torch.Tensor, seq_dim: int, cp_group: Any = None) -> torch.Tensor:
+def agree_shards(what: str, x: torch.Tensor, seq_dim: int, dim: int, group: Any, length: int | None
+                 ) -> tuple[int, ...]:
+    """Every rank's shard size along ``dim``, after checking on every rank alike that the shards fit together.
+
+    One all-gather of a small header per rank (shape, dtype, device and ``length``). Raises the same
+    ValueError on every rank when the ranks passed different lengths, shards differing in anything but
+    their size along ``dim``, or sizes other than ``shard_sizes(total, n)`` (``total`` = ``length``, or
+    the sum of the sizes when it is None): nobody is left waiting in the data collective.
+    """
+    n = group.size()
+    device = meta_device(group)
+    mine = torch.tensor(meta.encode(x) + [-1 if length is None else length], dtype=torch.int64, device=device)
+    rows = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
+    all_gather_into(rows, mine, group)
+    table = rows.view(n, mine.numel()).tolist()
+    metas = [meta.decode(row[:-1]) for row in table]
+    lengths = [row[-1] for row in table]
+    ranks = global_ranks(group)
+
+    def who(i: int) -> str:
+        return f"group rank {i} (global {ranks[i]})"
+
+    if len(set(lengths)) > 1:
+        got = "; ".join(f"{who(i)}: {'None' if v < 0 else v}" for i, v in enumerate(lengths))
+        raise ValueError(f"{what}: the ranks passed different lengths ({got}); pass the full length along "
+                         f"seq_dim={seq_dim}, the same on every rank")
+
+    def rest(m: meta.Meta) -> tuple[Any, ...]:
+        shape = m.shape[:dim] + m.shape[dim + 1:] if m.kind == meta.TENSOR else ()
+        return (m.kind, m.ndim, shape, m.dtype, m.device_type)
+
+    if any(rest(m) != rest(metas[0]) for m in metas) or metas[0].kind != meta.TENSOR:
+        got = "; ".join(f"{who(i)}: {m.describe()}" for i, m in enumerate(metas))
+        raise ValueError(f"{what}: the shards must differ only in their size along seq_dim={seq_dim}, but the "
+                         f"ranks hold: {got}; pass every rank a shard of the same tensor")
+    got_sizes = tuple(m.shape[dim] for m in metas)
+    total = sum(got_sizes) if length is None else length
+    if total < n:
+        raise ValueError(f"{what}: a sequence of length {total} along seq_dim={seq_dim} cannot be split over a "
+                         f"group of size {n} with at least one element per rank (shard sizes {got_sizes}); use "
+                         f"a group of at most {total} ranks or a longer sequence")
+    want = shard_sizes(total, n)
+    if got_sizes != want:
+        bad = "; ".join(f"{who(i)} holds {g}, expected {w}"
+                        for i, (g, w) in enumerate(zip(got_sizes, want, strict=True)) if g != w)
+        source = f"length={length}" if length is not None else f"the sizes' sum, {total}"
+        raise ValueError(
+            f"{what}: the shard sizes along seq_dim={seq_dim} are {got_sizes}, but a length of {total} ({source}) "
+            f"splits over {n} ranks as shard_sizes({total}, {n}) = {want}: {bad}; give rank i the shard "
+            f"split_inputs_cp(x, seq_dim, group, uneven=True) gives it")
+    return want
+
+
+def cat_outputs_cp(x: torch.Tensor, seq_dim: int, cp_group: Any = None, *, length: int | None = None,
+                   uneven: bool = False) -> torch.Tensor:
     """Gather every rank's equal-shaped ``x`` and concatenate them in group-rank order along ``seq_dim``.
 
     ``cp_group=None`` (or a group of one) returns ``x`` itself. Otherwise the result is a new tensor the
     caller owns, outside the autograd graph (see cat_outputs_cp_with_grad). With PARALLEL_STATE_DEBUG=1
     every rank first checks that all shards have the same shape, dtype and device.
+
+    Uneven shards: pass ``length`` (the full length along ``seq_dim``; rank i must hold
+    ``shard_sizes(length, n)[i]``), or ``uneven=True`` to learn it from the shards. Either way one small
+    all-gather of shapes first makes any mismatch a ValueError naming ranks and sizes on every rank.
     """
-    dim = _gather_dim("cat_outputs_cp", x, seq_dim, cp_group)
+    dim, sizes = _gather_dim("cat_outputs_cp", x, seq_dim, cp_group, length, uneven)
     if dim is None:
         return x
     with torch.no_grad():
+        if sizes is not None:
+            return _gather_cat_uneven(x, dim, cp_group, sizes)
         return _gather_cat(x, dim, cp_group, cp_group.size())
 
 
@@ -136,26 +244,31 @@ class _GatherKeepLocalGrad(torch.autograd.Function):
     """The gather, with the local shard's slice of the result wired back to ``x`` for autograd."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any, n: int) -> torch.Tensor:
-        ctx.dim, ctx.length, ctx.start = dim, x.shape[dim], group.rank() * x.shape[dim]
-        return _gather_cat(x, dim, group, n)
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any, n: int, sizes: Any) -> torch.Tensor:
+        rank = group.rank()
+        if sizes is None:
+            ctx.dim, ctx.length, ctx.start = dim, x.shape[dim], rank * x.shape[dim]
+            return _gather_cat(x, dim, group, n)
+        ctx.dim, ctx.length, ctx.start = dim, sizes[rank], sum(sizes[:rank])
+        return _gather_cat_uneven(x, dim, group, sizes)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         # Only the local slice's gradient comes back: the other slices belong to other ranks' graphs.
-        return grad.narrow(ctx.dim, ctx.start, ctx.length), None, None, None
+        return grad.narrow(ctx.dim, ctx.start, ctx.length), None, None, None, None
 
 
-def cat_outputs_cp_with_grad(x: torch.Tensor, seq_dim: int, cp_group: Any = None) -> torch.Tensor:
-    """cat_outputs_cp whose local slice stays ``x`` in the autograd graph.
+def cat_outputs_cp_with_grad(x: torch.Tensor, seq_dim: int, cp_group: Any = None, *, length: int | None = None,
+                             uneven: bool = False) -> torch.Tensor:
+    """cat_outputs_cp whose local slice stays ``x`` in the autograd graph (``length`` / ``uneven`` as there).
 
     The gradient of the result's slice that came from this rank flows back into ``x``; the slices
     gathered from other ranks are constants here (their gradients are not sent back to their owners).
     """
-    dim = _gather_dim("cat_outputs_cp_with_grad", x, seq_dim, cp_group)
+    dim, sizes = _gather_dim("cat_outputs_cp_with_grad", x, seq_dim, cp_group, length, uneven)
     if dim is None:
         return x
-    return _GatherKeepLocalGrad.apply(x, dim, cp_group, cp_group.size())
+    return _GatherKeepLocalGrad.apply(x, dim, cp_group, cp_group.size(), sizes)
 
 
 #: Below this many bytes of result, gloo gathers with one all-gather: n broadcasts cost n round trips,
@@ -223,3 +336,66 @@ def _gather_by_broadcasts(x: torch.Tensor, out_slots: torch.Tensor, pre: int, sh
         work.wait()
         if pre != 1 and i != rank:
             out_slots[:, i].copy_(recv[i].view(pre, shard))
+
+
+def _gather_cat_uneven(x: torch.Tensor, dim: int, group: Any, sizes: tuple[int, ...],
+                       strategy: str | None = None) -> torch.Tensor:
+    """The gather for shards of ``sizes`` along ``dim`` (agreed by every rank); call without autograd recording.
+
+    Broadcasts receive each shard at its own size (in place in the result when ``pre == 1``); the
+    all-gather pads every shard to the largest size, at most one row of ``dim`` more than its own.
+    """
+    n, rank = group.size(), group.rank()
+    shape = tuple(x.shape)
+    total = sum(sizes)
+    out = torch.empty(shape[:dim] + (total,) + shape[dim + 1:], dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    x = x.contiguous()
+    pre = math.prod(shape[:dim])
+    row = x.numel() // (pre * shape[dim])  # elements per index along dim
+    starts = [sum(sizes[:i]) for i in range(n)]
+    out3 = out.view(pre, total, row)
+    if strategy is None:
+        big = out.numel() * out.element_size() >= GLOO_BROADCAST_MIN_BYTES
+        strategy = "broadcasts" if big and backend_for(group, x.device.type) == "gloo" else "all_gather"
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown gather strategy {strategy!r}; expected one of {STRATEGIES}")
+    mine = x.view(pre, sizes[rank], row)
+    try:
+        if strategy == "broadcasts":
+            if pre == 1:  # rank i's shard is one contiguous run of the result: receive in place
+                recv = {i: out3[0, starts[i]:starts[i] + sizes[i]] for i in range(n) if i != rank}
+            else:
+                scratch = _buffer((total - sizes[rank]) * pre * row * x.element_size(), x.device).view(x.dtype)
+                recv, at = {}, 0
+                for i in range(n):
+                    if i != rank:
+                        recv[i] = scratch[at:at + pre * sizes[i] * row].view(pre, sizes[i], row)
+                        at += pre * sizes[i] * row
+            ranks = global_ranks(group)
+            # Same order on every rank, so the k-th broadcast of each rank is the same collective.
+            works = [dist.broadcast(as_bytes(x if i == rank else recv[i]), ranks[i], group=group, async_op=True)
+                     for i in range(n)]
+            out3[:, starts[rank]:starts[rank] + sizes[rank]].copy_(mine)  # overlaps with the transfers
+            for i, work in enumerate(works):
+                work.wait()
+                if pre != 1 and i != rank:
+                    out3[:, starts[i]:starts[i] + sizes[i]].copy_(recv[i])
+            return out
+        big_size = max(sizes)
+        if sizes[rank] == big_size:
+            send = x
+        else:  # pad with one unread row per leading index: gloo's all-gather wants equal sizes
+            send = torch.empty(pre, big_size, row, dtype=x.dtype, device=x.device)
+            send[:, :sizes[rank]].copy_(mine)
+        slots = _buffer(n * pre * big_size * row * x.element_size(), x.device).view(x.dtype)
+        all_gather_into(as_bytes(slots), as_bytes(send), group)
+    except BaseException:
+        # A failed or interrupted collective may still write into the buffer later: never reuse it.
+        discard(x.device)
+        raise
+    slots = slots.view(n, pre, big_size, row)
+    for i in range(n):
+        out3[:, starts[i]:starts[i] + sizes[i]].copy_(slots[i, :, :sizes[i]])
+    return out
