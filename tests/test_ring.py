@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 
-import pytest
 import torch
 
 import cp
@@ -227,7 +226,16 @@ def case_ring_traffic():
 
 def _usp_setups(world):
     """(cp size, [ulysses, ring]) to initialize on this world."""
-    return {4: [(4, [2, 2])], 8: [(8, [2, 4]), (8, [4, 2]), (4, [2, 2])]}[world]
+    return {8: [(8, [2, 4]), (8, [4, 2]), (4, [2, 2])]}[world]  # cp 4 on 8 ranks: two cp groups side by side
+
+
+def _usp_cases(c, u, even_only):
+    """(length, causal, (q heads, kv heads, seq_dim, head_dim)) for cp size c = u * r: each length (even, one
+    rank longer, all but one longer, ragged) with both masks, the three head layouts taking turns."""
+    heads = [(2 * u, 2 * u, 1, 2), (u, u, 2, 1), (2 * u, 1, 1, 2)]  # MHA [B, S, H, D]; [B, H, S, D]; MQA
+    lengths = [3 * c] if even_only else [3 * c, 3 * c + 1, 4 * c - 1, c + u + 1]
+    return [(length, causal, heads[(2 * i + causal) % 3]) for i, length in enumerate(lengths)
+            for causal in (False, True)]
 
 
 def case_usp_matches_one_process(even_only):
@@ -241,21 +249,18 @@ def case_usp_matches_one_process(even_only):
         assert (ug.size(), rg.size()) == (u, r)
         cp_rank = ps.get_context_parallel_rank()
         assert cp_rank == rg.rank() * u + ug.rank(), (cp_rank, rg.rank(), ug.rank())
-        lengths = [3 * c] if even_only else [3 * c, 3 * c + 1, 4 * c - 1, c + u + 1]
-        for length in lengths:
-            for causal in (False, True):
-                for hq, hkv, s, h in ((2 * u, 2 * u, 1, 2), (u, u, 2, 1), (2 * u, u, 1, 2)):
-                    shape = [2, length, hq, 4]
-                    q = _data(shape, 1).movedim((1, 2), (s, h)).contiguous()
-                    k, v = (_data([2, length, hkv, 4], seed).movedim((1, 2), (s, h)).contiguous() for seed in (2, 3))
-                    even = length % c == 0
+        for length, causal, (hq, hkv, s, h) in _usp_cases(c, u, even_only):
+            shape = [2, length, hq, 4]
+            q = _data(shape, 1).movedim((1, 2), (s, h)).contiguous()
+            k, v = (_data([2, length, hkv, 4], seed).movedim((1, 2), (s, h)).contiguous() for seed in (2, 3))
+            even = length % c == 0
 
-                    def run(qs, ks, vs, causal=causal, length=length, s=s, h=h, even=even, ug=ug, rg=rg):
-                        return cp.usp_attention(qs, ks, vs, ulysses_group=ug, ring_group=rg, causal=causal,
-                                                length=None if even else length, seq_dim=s, head_dim=h)
-                    name = f"usp {u}x{r} L={length} causal={causal} heads {hq}:{hkv}"
-                    worst = max(worst, _compare(name, run, q, k, v, s, h, causal, None, c, cp_rank, 1e-10))
-                    checks.append(name)
+            def run(qs, ks, vs, causal=causal, length=length, s=s, h=h, even=even, ug=ug, rg=rg):
+                return cp.usp_attention(qs, ks, vs, ulysses_group=ug, ring_group=rg, causal=causal,
+                                        length=None if even else length, seq_dim=s, head_dim=h)
+            name = f"usp {u}x{r} L={length} causal={causal} heads {hq}:{hkv}"
+            worst = max(worst, _compare(name, run, q, k, v, s, h, causal, None, c, cp_rank, 1e-10))
+            checks.append(name)
         ps.destroy_model_parallel()
     return len(checks), worst
 
@@ -360,10 +365,11 @@ def test_ring_sends_point_to_point_only_and_never_gathers(pools):
         assert res[True] == (kv, 2 * kv + 4), (rank, res)
 
 
-@pytest.mark.parametrize("world", [4, 8])
-def test_usp_over_megatron_hierarchical_groups(pools, world):
-    results = pools(world).run(case_usp_matches_one_process, not _uneven_ulysses(), timeout=180)
-    assert len({c for c, _ in results}) == 1 and results[0][0] > 0
+def test_usp_over_megatron_hierarchical_groups_2x2_2x4_4x2(pools):
+    even_only = not _uneven_ulysses()
+    results = pools(8).run(case_usp_matches_one_process, even_only, timeout=180)
+    want = sum(len(_usp_cases(c, u, even_only)) for c, (u, _) in _usp_setups(8))
+    assert [c for c, _ in results] == [want] * 8
     assert max(w for _, w in results) <= 1e-10
 
 
