@@ -116,6 +116,77 @@ def _diag_mask(q_len: int, groups: int, device: torch.device) -> torch.Tensor:
     return mask.repeat(groups, 1)
 
 
+#: torch's fused CPU attention that also returns the log-sum-exp (a private op, so looked up, not assumed).
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+#: Whether CPU blocks use the fused kernel (tests switch it off to check the plain one against it).
+use_fused_cpu = True
+
+
+def _fused(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether this block can use the fused CPU kernel (it wants one feature size for q, k and v)."""
+    return (use_fused_cpu and q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and _CPU_FLASH is not None
+            and _CPU_FLASH_BACKWARD is not None)
+
+
+def _flat4(x: torch.Tensor) -> torch.Tensor:
+    """[..., H, S, D] as [B, H, S, D], the fused kernel's layout."""
+    return x.reshape(-1, *x.shape[-3:])
+
+
+def _mask_args(mask: torch.Tensor | None, groups: int) -> dict[str, Any]:
+    """The fused kernel's causal arguments: its own flag when the rows are one head's, else an additive mask."""
+    if mask is None:
+        return {"is_causal": False, "attn_mask": None}
+    if groups == 1:
+        return {"is_causal": True, "attn_mask": None}
+    return {"is_causal": False, "attn_mask": torch.zeros(mask.shape, device=mask.device).masked_fill_(mask, float("-inf"))}
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+                   groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention, normalized within the block, and its log-sum-exp ([..., rows])."""
+    if _fused(q, v):
+        m = _mask_args(mask, groups)
+        if m["attn_mask"] is not None:
+            m["attn_mask"] = m["attn_mask"].to(q.dtype)
+        out, lse = _CPU_FLASH(_flat4(q), _flat4(k), _flat4(v), 0.0, m["is_causal"], attn_mask=m["attn_mask"],
+                              scale=scale)
+        return out.reshape(*q.shape[:-1], v.shape[-1]), lse.reshape(q.shape[:-1])
+    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        s.masked_fill_(mask, float("-inf"))
+    m = s.amax(-1, keepdim=True)  # finite: in the diagonal block every query sees at least itself
+    p = torch.exp_(s.sub_(m))
+    total = p.sum(-1, keepdim=True)
+    out = torch.matmul(p, v).div_(total)
+    return out, m.add_(total.log_()).squeeze(-1)
+
+
+def _block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, delta: torch.Tensor, scale: float, mask: torch.Tensor | None,
+                    groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's dq, dk, dv, given the whole attention's output and log-sum-exp (so the block's softmax is
+    its share of the whole one) and ``delta`` = rowsum(do * out)."""
+    if _fused(q, v):
+        m = _mask_args(mask, groups)
+        if m["attn_mask"] is not None:
+            m["attn_mask"] = m["attn_mask"].to(q.dtype)
+        dq, dk, dv = _CPU_FLASH_BACKWARD(_flat4(do), _flat4(q), _flat4(k), _flat4(v), _flat4(out),
+                                         lse.reshape(-1, *lse.shape[-2:]), 0.0, m["is_causal"],
+                                         attn_mask=m["attn_mask"], scale=scale)
+        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        s.masked_fill_(mask, float("-inf"))
+    p = torch.exp_(s.sub_(lse.unsqueeze(-1)))  # the softmax itself, from the whole attention's log-sum-exp
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    ds = p.mul_(torch.matmul(do, v.transpose(-1, -2)).sub_(delta.unsqueeze(-1)))
+    dq = torch.matmul(ds, k).mul_(scale)
+    dk = torch.matmul(ds.transpose(-1, -2), q).mul_(scale)
+    return dq, dk, dv
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention on [..., Hkv, G * S, D] queries and [..., Hkv, S, D] keys and values."""
 
@@ -127,30 +198,22 @@ class _RingAttention(torch.autograd.Function):
         qc = q.to(cd)
         packed = torch.cat([k.reshape(-1), v.reshape(-1)])
         mask = _diag_mask(k.shape[-2], groups, q.device) if ring.causal else None
-        acc = m = total = None
+        acc = lse = None
         for t in range(ring.n):
             works, recv = _kv_transfer(ring, t, packed, sizes)  # overlaps this step's compute
             if ring.computes(t):
                 kb, vb = _unpack(packed, k.shape, v.shape, ring.blocks[ring.source(t)], cd)
-                s = torch.matmul(qc, kb.transpose(-1, -2)).mul_(scale)
-                if t == 0 and mask is not None:
-                    s.masked_fill_(mask, float("-inf"))
-                bm = s.amax(-1, keepdim=True)  # finite: every query sees at least itself at step 0
-                p = torch.exp_(s.sub_(bm))
-                bl, bo = p.sum(-1, keepdim=True), torch.matmul(p, vb)
+                bo, bl = _block_forward(qc, kb, vb, scale, mask if t == 0 else None, groups)
                 if acc is None:
-                    acc, m, total = bo, bm, bl
-                else:
-                    new = torch.maximum(m, bm)
-                    a, b = torch.exp(m - new), torch.exp(bm - new)
-                    acc = acc.mul_(a).add_(bo.mul_(b))
-                    total = total.mul_(a).add_(bl.mul_(b))
-                    m = new
+                    acc, lse = bo, bl
+                else:  # the online softmax: weigh both by their share of the merged log-sum-exp
+                    new = torch.logaddexp(lse, bl)
+                    acc = acc.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(bo.mul_(torch.exp(bl - new).unsqueeze(-1)))
+                    lse = new
             _wait(works)
             if recv is not None:
                 packed = recv
-        out = acc.div_(total)
-        lse = m.add_(total.log_())
+        out = acc
         ctx.ring, ctx.groups, ctx.scale = ring, groups, scale
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
@@ -163,7 +226,8 @@ class _RingAttention(torch.autograd.Function):
         cd = _compute_dtype(q.dtype)
         sizes = _packed_sizes(ring.blocks, k, v)
         qc, do = q.to(cd), grad.to(cd)
-        delta = (do * out.to(cd)).sum(-1, keepdim=True)
+        outc = out.to(cd)
+        delta = (do * outc).sum(-1)
         dq = torch.zeros_like(qc)
         packed = torch.cat([k.reshape(-1), v.reshape(-1)])
         mask = _diag_mask(k.shape[-2], groups, q.device) if ring.causal else None
@@ -178,15 +242,10 @@ class _RingAttention(torch.autograd.Function):
             dkv = None
             if ring.computes(t):
                 kb, vb = _unpack(packed, k.shape, v.shape, ring.blocks[ring.source(t)], cd)
-                s = torch.matmul(qc, kb.transpose(-1, -2)).mul_(scale)
-                if t == 0 and mask is not None:
-                    s.masked_fill_(mask, float("-inf"))
-                p = torch.exp_(s.sub_(lse))  # the softmax itself, from the forward's log-sum-exp
-                dv = torch.matmul(p.transpose(-1, -2), do)
-                ds = p.mul_(torch.matmul(do, vb.transpose(-1, -2)).sub_(delta))
-                dq.add_(torch.matmul(ds, kb), alpha=scale)
-                dk = torch.matmul(ds.transpose(-1, -2), qc).mul_(scale)
-                dkv = torch.cat([dk.reshape(-1), dv.reshape(-1)])
+                bq, bk, bv = _block_backward(do, qc, kb, vb, outc, lse, delta, scale, mask if t == 0 else None,
+                                             groups)
+                dq.add_(bq)
+                dkv = torch.cat([bk.reshape(-1), bv.reshape(-1)])
             _wait(dkv_works)  # sent by the previous rank after its step t - 1
             if incoming is not None:
                 dkv = incoming if dkv is None else dkv.add_(incoming)
