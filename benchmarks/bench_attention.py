@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'x'.join(map(str, PATCH))}, {HEADS} heads), gloo ranks",
         ["ranks", "method", "MiB sent/rank", "ms", "speed-up vs gather K/V", "1 process ms"],
         rows,
-        [f"median of {args.reps} alternating repetitions (slowest rank), {args.threads} thread(s) per rank; "
+        [f"median of {args.reps} repetitions in rotating order (slowest rank), {args.threads} thread(s) per rank; "
          f"all match one-process attention within 1e-5 before timing"],
     ))
     print(f"(bench_attention took {time.perf_counter() - start:.0f} s)")

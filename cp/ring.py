@@ -22,6 +22,10 @@ uses ``cp.shard_sizes(L, n)`` (torch.tensor_split's rule), usp passes the sizes 
 K/V may have fewer heads than q (GQA/MQA, query head h uses K/V head h // (Hq / Hkv), as SDPA's
 ``enable_gqa``): the K/V heads travel as they are, and each K/V head attends for its group of query
 heads at once, so nothing is repeated, neither on the wire nor in memory.
+
+A block is computed by torch's fused CPU attention kernel where it applies (CPU tensors, one feature
+size for q, k and v; it returns the log-sum-exp the merge needs), else by plain matmuls that hold
+the block's scores.
 """
 
 from __future__ import annotations
@@ -54,7 +58,6 @@ class _Ring:
         self.n, self.rank = group.size(), group.rank()
         ranks = global_ranks(group)
         self.next, self.prev = ranks[(self.rank + 1) % self.n], ranks[(self.rank - 1) % self.n]
-        self.ranks = ranks
 
     def source(self, t: int) -> int:
         """The group rank whose K/V block this rank holds at step t."""
@@ -332,7 +335,8 @@ def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, h: int, gr
 
 def ring_attention_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: Any, blocks: Sequence[int],
                           *, causal: bool = False, seq_dim: int = 1, head_dim: int = 2,
-                          softmax_scale: float | None = None, what: str = "ring_attention") -> torch.Tensor:
+                          softmax_scale: float | None = None, what: str = "ring_attention",
+                          how: str = "blocks") -> torch.Tensor:
     """ring_attention with explicit per-rank block sizes: group rank i holds ``blocks[i]`` tokens.
 
     The blocks are contiguous and in group-rank order (for ``causal``, their global positions follow
@@ -350,11 +354,11 @@ def ring_attention_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_
                          f"{n} ranks")
     scale = _scale(what, softmax_scale, _feature(q, s, h))
     rank = 0 if cp_group is None else cp_group.rank()
-    _check_blocks(what, q, s, blocks, rank, cp_group, "blocks")
+    if n > 1 and debug.enabled():  # first, so that a rank with a wrong shard fails on every rank, not alone
+        _debug_check(what, q, s, blocks, cp_group)
+    _check_blocks(what, q, s, blocks, rank, cp_group, how)
     if n == 1:
         return _plain(q, k, v, s, h, groups, causal, scale)
-    if debug.enabled():
-        _debug_check(what, q, s, blocks, cp_group)
     ring = _Ring(cp_group, blocks, causal)
     # [..., H, S, D] with the K/V head's G query heads side by side: [..., Hkv, G * S, D].
     qc, kc, vc = (t.movedim((h, s), (-3, -2)) for t in (q, k, v))
@@ -375,7 +379,7 @@ def _debug_check(what: str, q: torch.Tensor, s: int, blocks: tuple[int, ...], gr
     metas = debug.gather_meta(q, group)
     ranks = global_ranks(group)
     mine = tuple(q.shape[:s]) + tuple(q.shape[s + 1:])
-    bad = [f"group rank {i} (global {ranks[i]}): {m.describe()}" for i, m in enumerate(metas)
+    bad = [f"group rank {i} (global {ranks[i]}): {m.describe()}, {blocks[i]} tokens expected" for i, m in enumerate(metas)
            if m.shape is None or len(m.shape) != q.dim() or m.shape[s] != blocks[i]
            or tuple(m.shape[:s]) + tuple(m.shape[s + 1:]) != mine or m.dtype != metas[0].dtype]
     if bad:
@@ -404,7 +408,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: 
         check_tensor(what, t, name)
     s = _check_dims(what, q, "q", seq_dim, head_dim, n)[0]
     if length is None:
-        blocks = (q.shape[s],) * n
+        blocks, how = (q.shape[s],) * n, "blocks"
     else:
         if isinstance(length, bool) or not isinstance(length, int):
             raise TypeError(f"{what}: length must be an int (the whole sequence's length) or None, got "
@@ -412,12 +416,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: 
         if length < n:
             raise ValueError(f"{what}: length={length} is shorter than the group ({n} ranks): every rank needs at "
                              f"least one token; use a smaller group or a longer sequence")
-        blocks = shard_sizes(length, n)
-        rank = 0 if cp_group is None else cp_group.rank()
-        if q.shape[s] != blocks[rank]:
-            _check_blocks(what, q, s, blocks, rank, cp_group, f"length={length} (cp.shard_sizes({length}, {n}))")
+        blocks, how = shard_sizes(length, n), f"length={length} (cp.shard_sizes({length}, {n}))"
     return ring_attention_blocks(q, k, v, cp_group, blocks, causal=causal, seq_dim=seq_dim, head_dim=head_dim,
-                                 softmax_scale=softmax_scale, what=what)
+                                 softmax_scale=softmax_scale, what=what, how=how)
 
 
 __all__ = ["ring_attention", "ring_attention_blocks"]

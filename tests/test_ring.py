@@ -4,6 +4,7 @@ output and the q, k and v gradients, point-to-point traffic only, errors."""
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 
@@ -337,6 +338,15 @@ def case_errors():
                 ulysses_group=ug, ring_group=rg, length=3)
         found += 1
         ps.destroy_model_parallel()
+    # PARALLEL_STATE_DEBUG=1: one rank with a shard of the wrong length makes every rank raise, naming it.
+    os.environ["PARALLEL_STATE_DEBUG"] = "1"
+    try:
+        x = torch.zeros(1, cp.shard_sizes(3 * n + 1, n)[r] + (r == 1), 4, 8)
+        _raises(ValueError, ["PARALLEL_STATE_DEBUG", "group rank 1 (global 1)", "3 tokens expected"],
+                cp.ring_attention, x, x, x, g, length=3 * n + 1)
+        found += 1
+    finally:
+        os.environ.pop("PARALLEL_STATE_DEBUG", None)
     # After all of that the ring still works.
     x = _data((1, 2 * n, 2, 4), 3)
     mine = _shard(x, 1, n, r)
@@ -383,7 +393,7 @@ def test_usp_degrades_to_ring_ulysses_or_plain(pools):
 
 def test_bad_inputs_are_explained(pools):
     found = pools(4).run(case_errors)
-    assert found == [16] * 4
+    assert found == [17] * 4
 
 
 def _uneven_ulysses():
