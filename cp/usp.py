@@ -69,13 +69,8 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_
             raise ValueError(f"{what}: {who} holds {q.shape[s]} tokens (q {tuple(q.shape)}) but length={length} "
                              f"over {u * r} ranks gives it {sizes[cp_rank]} (every cp rank's: {list(sizes)}); "
                              f"shard the sequence with cp.split_inputs_cp(x, seq_dim, cp_group, uneven=True)")
-        ulysses_length = blocks[j]
-        if len(set(sizes)) == 1:
-            ulysses_length = None  # even after all: no length needed
-        elif not _ulysses_takes_length():
-            raise ValueError(f"{what}: length={length} does not divide over {u * r} ranks, and this version's "
-                             f"ulysses_attention cannot take uneven shards yet; use a length divisible by {u * r} or "
-                             f"a ulysses group of one (ring attention alone takes uneven shards)")
+        # Even after all: no length, which spares ulysses_attention its size check (one small all-gather).
+        ulysses_length = None if len(set(sizes)) == 1 else blocks[j]
     ring = None if r == 1 else ring_group
 
     def ring_fn(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
@@ -83,14 +78,8 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_
         return ring_attention_blocks(qh, kh, vh, ring, blocks, causal=causal, seq_dim=seq_dim, head_dim=head_dim,
                                      softmax_scale=softmax_scale, what=what)
 
-    extra = {} if ulysses_length is None else {"length": ulysses_length}
-    return ulysses_attention(q, k, v, ulysses_group, attn_fn=ring_fn, seq_dim=seq_dim, head_dim=head_dim, **extra)
-
-
-def _ulysses_takes_length() -> bool:
-    import inspect
-
-    return "length" in inspect.signature(ulysses_attention).parameters
+    return ulysses_attention(q, k, v, ulysses_group, attn_fn=ring_fn, seq_dim=seq_dim, head_dim=head_dim,
+                             length=ulysses_length)
 
 
 __all__ = ["usp_attention"]

@@ -234,16 +234,16 @@ def _usp_setups(world):
     return {8: [(8, [2, 4]), (8, [4, 2]), (4, [2, 2])]}[world]  # cp 4 on 8 ranks: two cp groups side by side
 
 
-def _usp_cases(c, u, even_only):
+def _usp_cases(c, u):
     """(length, causal, (q heads, kv heads, seq_dim, head_dim)) for cp size c = u * r: each length (even, one
     rank longer, all but one longer, ragged) with both masks, the three head layouts taking turns."""
     heads = [(2 * u, 2 * u, 1, 2), (u, u, 2, 1), (2 * u, 1, 1, 2)]  # MHA [B, S, H, D]; [B, H, S, D]; MQA
-    lengths = [3 * c] if even_only else [3 * c, 3 * c + 1, 4 * c - 1, c + u + 1]
+    lengths = [3 * c, 3 * c + 1, 4 * c - 1, c + u + 1]
     return [(length, causal, heads[(2 * i + causal) % 3]) for i, length in enumerate(lengths)
             for causal in (False, True)]
 
 
-def case_usp_matches_one_process(even_only):
+def case_usp_matches_one_process():
     import parallel_state as ps
 
     checks, worst = [], 0.0
@@ -254,7 +254,7 @@ def case_usp_matches_one_process(even_only):
         assert (ug.size(), rg.size()) == (u, r)
         cp_rank = ps.get_context_parallel_rank()
         assert cp_rank == rg.rank() * u + ug.rank(), (cp_rank, rg.rank(), ug.rank())
-        for length, causal, (hq, hkv, s, h) in _usp_cases(c, u, even_only):
+        for length, causal, (hq, hkv, s, h) in _usp_cases(c, u):
             shape = [2, length, hq, 4]
             q = _data(shape, 1).movedim((1, 2), (s, h)).contiguous()
             k, v = (_data([2, length, hkv, 4], seed).movedim((1, 2), (s, h)).contiguous() for seed in (2, 3))
@@ -380,9 +380,8 @@ def test_ring_sends_point_to_point_only_and_never_gathers(pools):
 
 
 def test_usp_over_megatron_hierarchical_groups_2x2_2x4_4x2(pools):
-    even_only = not _uneven_ulysses()
-    results = pools(8).run(case_usp_matches_one_process, even_only, timeout=180)
-    want = sum(len(_usp_cases(c, u, even_only)) for c, (u, _) in _usp_setups(8))
+    results = pools(8).run(case_usp_matches_one_process, timeout=180)
+    want = sum(len(_usp_cases(c, u)) for c, (u, _) in _usp_setups(8))
     assert [c for c, _ in results] == [want] * 8
     assert max(w for _, w in results) <= 1e-10
 
@@ -394,12 +393,6 @@ def test_usp_degrades_to_ring_ulysses_or_plain(pools):
 def test_bad_inputs_are_explained(pools):
     found = pools(4).run(case_errors)
     assert found == [17] * 4
-
-
-def _uneven_ulysses():
-    import inspect
-
-    return "length" in inspect.signature(cp.ulysses_attention).parameters
 
 
 def test_shard_sizes_sum_of_consecutive_shards_splits_again():
