@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from cp import debug
-from cp.comm import check_group, global_ranks, meta_device
+from cp.comm import all_gather_into, check_group, global_ranks, meta_device
 from cp.shard import check_tensor, normalize_dim, shard_sizes
 
 AttnFn = Callable[..., torch.Tensor]
@@ -154,8 +154,7 @@ def _agreed_sizes(what: str, group: Any, length: int, named: Sequence[tuple[str,
     n = group.size()
     mine = torch.tensor([length] + [size for _, size in named], dtype=torch.int64, device=meta_device(group))
     rows = torch.empty(n * mine.numel(), dtype=torch.int64, device=mine.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(rows, mine, group=group)
+    all_gather_into(rows, mine, group)
     table = rows.view(n, mine.numel()).tolist()
     ranks = global_ranks(group)
     lengths = [row[0] for row in table]
@@ -179,9 +178,9 @@ def _agreed_sizes(what: str, group: Any, length: int, named: Sequence[tuple[str,
         if got != want:
             bad = "; ".join(f"group rank {i} (global {ranks[i]}) has {g}, expected {w}"
                             for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
-            raise ValueError(
-                f"{what}: {name}'s sequence lengths over the group are {got}, not {rule}: {bad}; give rank i "
-                f"the shard split_inputs_cp(x, seq_dim, group, uneven=True) gives it")
+            fix = ("pass every rank the whole sequence (what seq_to_heads returned)" if whole else
+                   "give rank i the shard split_inputs_cp(x, seq_dim, group, uneven=True) gives it")
+            raise ValueError(f"{what}: {name}'s sequence lengths over the group are {got}, not {rule}: {bad}; {fix}")
         out.append(want)
     return out
 

@@ -31,26 +31,7 @@ import torch.distributed as dist
 from cp import debug, meta
 from cp.comm import all_gather_into, as_bytes, backend_for, check_group, global_ranks, meta_device
 from cp.workspace import discard, workspace
-
-
-def shard_sizes(length: int, n: int) -> tuple[int, ...]:
-    """Each rank's shard length when ``length`` elements split into ``n`` contiguous shards.
-
-    Follows ``torch.tensor_split``: the first ``length % n`` shards hold one element more than
-    the rest, so the sizes sum to ``length`` and differ by at most one.
-    """
-    for name, value in (("length", length), ("n", n)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"shard_sizes: {name} must be an int, got {type(value).__name__} {value!r}")
-    if n < 1:
-        raise ValueError(f"shard_sizes: n={n} must be at least 1 (the number of ranks in the group)")
-    if length < n:
-        raise ValueError(
-            f"shard_sizes: cannot split {length} elements into {n} shards of at least one element each; "
-            f"use a group of at most {length} ranks or a longer sequence"
-        )
-    base, extra = divmod(length, n)
-    return tuple(base + 1 if i < extra else base for i in range(n))
+from parallel_state.cp_plan import shard_sizes  # noqa: F401  (the rule lives with the planner; cp.shard_sizes is it)
 
 
 def check_tensor(what: str, x: Any, name: str = "x") -> None:
@@ -145,7 +126,7 @@ def split_inputs_cp(x: torch.Tensor, seq_dim: int, cp_group: Any = None, *, unev
 def _gather_dim(what: str, x: torch.Tensor, seq_dim: int, cp_group: Any, length: Any = None,
                 uneven: bool = False) -> tuple[int | None, tuple[int, ...] | None]:
     """Check a gather's arguments: the normalized dim (None when there is nothing to gather) and, for an
-    uneven gather, every rank's shard size, agreed on every rank."""
+    uneven gather whose shards differ, every rank's shard size, agreed on every rank (else None)."""
     if cp_group is None:
         return None, None
     check_tensor(what, x)
@@ -160,7 +141,9 @@ def _gather_dim(what: str, x: torch.Tensor, seq_dim: int, cp_group: Any, length:
                              f"in a group of one the shard is the whole sequence")
         return None, None
     if length is not None or uneven:
-        return dim, agree_shards(what, x, seq_dim, dim, cp_group, length)
+        sizes = agree_shards(what, x, seq_dim, dim, cp_group, length)
+        # Shards that came out equal take the even gather (the check above is all the uneven path adds).
+        return dim, None if len(set(sizes)) == 1 else sizes
     if debug.enabled():
         debug.check_same(what, x, cp_group)
     return dim, None

@@ -7,8 +7,9 @@ kind as a row of one table), ``state`` (the one live state object and its lifecy
 (precomputed answers, Megatron's getters, their one-read hot paths), ``megatron_globals``
 (megatron-core's private globals, read through this package's ``__getattr__``), ``bridge``
 (megatron-core reads our groups), ``rank_generator``, ``process_groups``, ``nccl``, ``memory``
-(megatron-core's utilities), ``split`` (``find_split`` and ``cp_size_t``), ``mesh`` (DeviceMesh
-views for DTensor / FSDP2). The runtime: ``launch`` (launcher detection), ``manager``
+(megatron-core's utilities), ``split`` (``find_split`` and ``cp_size_t``), ``cp_plan``
+(``plan_context_parallel``, ``shard_sizes``), ``mesh`` (DeviceMesh views for DTensor / FSDP2).
+The runtime: ``launch`` (launcher detection), ``manager``
 (DistributedManager), ``resolve`` (rank / world size / collective device), ``runtime``
 (dist_init), ``log`` (print helpers).
 """
@@ -105,6 +106,7 @@ from parallel_state.accessors import (  # noqa: F401  (re-exported API)
     set_virtual_pipeline_model_parallel_world_size,
 )
 from parallel_state.bridge import bridge_megatron  # noqa: F401
+from parallel_state.cp_plan import ContextParallelPlan, plan_context_parallel  # noqa: F401
 from parallel_state.errors import (  # noqa: F401
     ParallelStateAssertionError,
     ParallelStateError,

@@ -4,9 +4,12 @@
 coordinates and, for a video latent, how context parallelism splits it. ``demo`` runs the whole
 lifecycle on local CPU ranks (see ``parallel_state.demo``).
 
-Exit codes: 0 success; 1 a check failed (``plan``: the latent cannot be split with this cp size;
-``demo``: a rank's check failed); 2 invalid input. Every error is one line on stderr, never a
-traceback.
+With ``--heads`` (and ``--kv-heads``) ``plan`` also prints the context-parallel plan of the latent
+(``plan_context_parallel``: Ulysses x ring sizes, tokens per rank, uneven or not).
+
+Exit codes: 0 success; 1 a check failed (``plan``: the latent cannot be split with this cp size and
+no ``--heads`` plan covers it with an uneven split; ``demo``: a rank's check failed); 2 invalid
+input. Every error is one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from typing import Any, Sequence
 
+from parallel_state.cp_plan import ContextParallelPlan, plan_context_parallel
 from parallel_state.plan import DEFAULT_ORDER, TopologyPlan
 from parallel_state.plan_report import (  # noqa: F401  (re-exported: the demo's launcher and tests use them)
     EXIT_CHECK_FAILED,
@@ -52,8 +57,9 @@ class _Parser(argparse.ArgumentParser):
 # ----------------------------------------------------------------------------- plan output
 
 
-def plan_dict(plan: TopologyPlan, split: SplitReport | None = None) -> dict[str, Any]:
-    """The ``plan --json`` object."""
+def plan_dict(plan: TopologyPlan, split: SplitReport | None = None,
+              cp_plan: ContextParallelPlan | None = None) -> dict[str, Any]:
+    """The ``plan --json`` object (``cp_plan`` only when ``--heads`` was given)."""
     out: dict[str, Any] = {
         "world_size": plan.world_size,
         "order": plan.order,
@@ -67,7 +73,35 @@ def plan_dict(plan: TopologyPlan, split: SplitReport | None = None) -> dict[str,
             out["split"] = {"shape": list(split.per_rank or ()), "cp_size_t": split.cp_size_t}
         else:
             out["split_error"] = {"message": split.error, "suggested_cp_sizes": split.suggested_cp_sizes}
+    if cp_plan is not None:
+        out["cp_plan"] = cp_plan_dict(cp_plan)
     return out
+
+
+def cp_plan_dict(cp_plan: ContextParallelPlan) -> dict[str, Any]:
+    """The ``cp_plan`` member of ``plan --json``."""
+    return {
+        "cp_size": cp_plan.cp_size, "num_heads": cp_plan.num_heads, "num_kv_heads": cp_plan.num_kv_heads,
+        "token_grid": list(cp_plan.token_grid), "tokens": cp_plan.tokens,
+        "ulysses_size": cp_plan.ulysses_size, "ring_size": cp_plan.ring_size,
+        "hierarchical_context_parallel_sizes": cp_plan.hierarchical_context_parallel_sizes,
+        "tokens_per_rank": list(cp_plan.tokens_per_rank), "uneven": cp_plan.uneven,
+        "find_split": None if cp_plan.find_split is None else list(cp_plan.find_split),
+        "cp_size_t": cp_plan.cp_size_t, "description": cp_plan.describe(),
+    }
+
+
+def format_cp_plan(cp_plan: ContextParallelPlan) -> str:
+    """The context-parallel plan: the sizes in one table, then describe()'s paragraph."""
+    lo, hi = min(cp_plan.tokens_per_rank), max(cp_plan.tokens_per_rank)
+    tokens = str(hi) if lo == hi else f"{lo}-{hi}"
+    lines = ["Context-parallel plan (plan_context_parallel)"]
+    lines += _table(("cp", "heads", "kv heads", "ulysses", "ring", "tokens", "tokens/rank"),
+                    [[cp_plan.cp_size, cp_plan.num_heads, cp_plan.num_kv_heads, cp_plan.ulysses_size,
+                      cp_plan.ring_size, cp_plan.tokens, tokens]])
+    lines += textwrap.wrap(cp_plan.describe(), 100, initial_indent="  ", subsequent_indent="  ",
+                           break_long_words=False, break_on_hyphens=False)
+    return "\n".join(lines)
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "  ") -> list[str]:
@@ -132,10 +166,14 @@ def format_split(split: SplitReport) -> str:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     plan = make_plan(args.world_size, args.tp, args.cp, args.pp, args.order)
-    split = None
+    split = cp_plan = None
+    if args.kv_heads is not None and args.heads is None:
+        raise CliError("--kv-heads needs --heads (the number of q heads)")
     if args.video_shape is None:
         if args.patch is not None or args.view_factor is not None:
             raise CliError("--patch and --view-factor describe a video latent: give --video-shape B,C,T,H,W too")
+        if args.heads is not None:
+            raise CliError("--heads plans context parallelism for a video latent: give --video-shape B,C,T,H,W too")
     else:
         shape = int_list("--video-shape", args.video_shape, 5, "B,C,T,H,W")
         patch = int_list("--patch", args.patch or "1,2,2", 3, "pT,pH,pW")
@@ -143,6 +181,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if view_factor < 1:
             raise CliError(f"--view-factor must be >= 1, got {view_factor}")
         split = split_report(plan, shape, patch, view_factor)  # type: ignore[arg-type]
+        if args.heads is not None:
+            try:
+                cp_plan = plan_context_parallel(shape, plan.cp, args.heads, patch_values=patch,
+                                                num_kv_heads=args.kv_heads, view_factor=view_factor)
+            except (ValueError, TypeError) as exc:
+                raise CliError(str(exc)) from None
     if args.svg:
         from parallel_state.layout_svg import write_svg
 
@@ -151,15 +195,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise CliError(f"cannot write --svg {args.svg}: {exc.strerror or exc}") from None
     if args.json:
-        print(json.dumps(plan_dict(plan, split)))
+        print(json.dumps(plan_dict(plan, split, cp_plan)))
     else:
         print(format_plan(plan))
         if split is not None:
             print()
             print(format_split(split))
+        if cp_plan is not None:
+            print()
+            print(format_cp_plan(cp_plan))
         if args.svg:
             print(f"\nLayout picture written to {args.svg}")
-    return EXIT_OK if split is None or split.ok else EXIT_CHECK_FAILED
+    # A --heads plan covers a grid find_split cannot split evenly (the uneven flattened split).
+    return EXIT_OK if split is None or split.ok or cp_plan is not None else EXIT_CHECK_FAILED
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -185,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--video-shape", metavar="B,C,T,H,W", help="a video latent shape to plan with find_split")
     p.add_argument("--patch", metavar="pT,pH,pW", help="patch sizes for find_split (default 1,2,2)")
     p.add_argument("--view-factor", type=int, metavar="V", help="views folded into T (default 1)")
+    p.add_argument("--heads", type=int, metavar="H",
+                   help="attention heads: also plan Ulysses x ring and tokens per rank for --video-shape at --cp")
+    p.add_argument("--kv-heads", type=int, metavar="K", help="K/V heads for GQA/MQA (default: --heads)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--svg", metavar="FILE", help="also draw the layout as an SVG picture")
     p.set_defaults(func=_cmd_plan)

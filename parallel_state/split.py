@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import operator
 import sys
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from parallel_state.state import register_teardown_hook
@@ -17,21 +18,21 @@ from parallel_state.state import register_teardown_hook
 _MEGATRON = "megatron.core.parallel_state"
 
 
-def _int(name: str, value: Any) -> int:
+def _int(name: str, value: Any, what: str = "find_split") -> int:
     if isinstance(value, bool):
-        raise TypeError(f"find_split: {name} must be an int, got {value!r}")
+        raise TypeError(f"{what}: {name} must be an int, got {value!r}")
     try:
         return operator.index(value)
     except TypeError:
-        raise TypeError(f"find_split: {name} must be an int, got {value!r}") from None
+        raise TypeError(f"{what}: {name} must be an int, got {value!r}") from None
 
 
-def _ints(name: str, values: Any, expected: str) -> list[int]:
+def _ints(name: str, values: Any, expected: str, what: str = "find_split") -> list[int]:
     try:
         items = list(values)
     except TypeError:
-        raise TypeError(f"find_split: {name} must be {expected}, got {values!r}") from None
-    return [_int(f"{name}[{i}]", v) for i, v in enumerate(items)]
+        raise TypeError(f"{what}: {name} must be {expected}, got {values!r}") from None
+    return [_int(f"{name}[{i}]", v, what) for i, v in enumerate(items)]
 
 
 def _divisors(n: int) -> list[int]:
@@ -48,6 +49,70 @@ def _working_cp_sizes(t_patched: int, h_patched: int, cp_size: int) -> list[int]
     below = [c for c in sizes if c < cp_size][-6:]
     above = [c for c in sizes if c > cp_size][:3]
     return below + above
+
+
+@dataclass(frozen=True)
+class Latent:
+    """A checked [B, C, T, H, W] latent with its patch sizes: what find_split and the planner split."""
+
+    shape: tuple[int, int, int, int, int]
+    patch: tuple[int, int, int]
+    view_factor: int
+    #: T of one view (T // view_factor), and the patched T and H (the axes context parallelism splits).
+    t_view: int
+    t_patched: int
+    h_patched: int
+
+
+def check_latent(shape: Sequence[int], cp_size: int, patch_values: Sequence[int] = (1, 2, 2), view_factor: int = 1,
+                 what: str = "find_split") -> tuple[Latent, int]:
+    """Validate find_split's arguments (no side effects); the Latent and ``cp_size`` as an int.
+
+    Raises ValueError / TypeError, prefixed with ``what``, exactly as find_split documents.
+    """
+    if hasattr(shape, "dim") and hasattr(shape, "shape"):  # a tensor, not its shape
+        raise TypeError(f"{what}: pass the latent's shape (x.shape), not the tensor itself")
+    dims = _ints("shape", shape, "a sequence of 5 ints [B, C, T, H, W]", what)
+    if len(dims) != 5:
+        raise ValueError(
+            f"{what}: shape must be 5-D [B, C, T, H, W], got {len(dims)}-D shape {tuple(dims)}"
+        )
+    if any(d < 1 for d in dims):
+        raise ValueError(f"{what}: every dimension of shape must be >= 1, got {tuple(dims)}")
+    cp_size = _int("cp_size", cp_size, what)
+    if cp_size < 1:
+        raise ValueError(f"{what}: cp_size must be >= 1, got {cp_size}")
+    view_factor = _int("view_factor", view_factor, what)
+    if view_factor < 1:
+        raise ValueError(f"{what}: view_factor must be >= 1, got {view_factor}")
+    patches = _ints("patch_values", patch_values, "three ints (pT, pH, pW)", what)
+    if len(patches) != 3 or any(p < 1 for p in patches):
+        raise ValueError(f"{what}: patch_values must be three ints >= 1 (pT, pH, pW), got {tuple(patches)}")
+
+    _, _, t, h, w = dims
+    p_t, p_h, _ = patches
+    if t % view_factor:
+        raise ValueError(
+            f"{what}: T={t} is not divisible by view_factor={view_factor}; "
+            f"each view must have the same number of latent frames"
+        )
+    t_view = t // view_factor
+    if t_view % p_t or h % p_h:
+        raise ValueError(
+            f"{what}: the latent does not patch evenly: T/view_factor={t_view} by pT={p_t}, "
+            f"H={h} by pH={p_h}; pad the latent or change patch_values"
+        )
+    latent = Latent(tuple(dims), tuple(patches), view_factor, t_view, t_view // p_t, h // p_h)  # type: ignore[arg-type]
+    return latent, cp_size
+
+
+def grid_split(latent: Latent, cp_size: int) -> tuple[int, int] | None:
+    """find_split's factors (temporal, height) of ``cp_size`` for ``latent``; None when the width would
+    have to be split. Pure arithmetic, no side effects."""
+    cp_t = math.gcd(latent.t_patched, cp_size)
+    left = cp_size // cp_t
+    cp_h = math.gcd(latent.h_patched, left)
+    return (cp_t, cp_h) if cp_h == left else None
 
 
 def find_split(
@@ -67,54 +132,24 @@ def find_split(
     by ``view_factor``, T or H not divisible by their patch size, ``cp_size`` < 1, or a plan that
     would have to split the width; TypeError for non-integers.
     """
-    if hasattr(shape, "dim") and hasattr(shape, "shape"):  # a tensor, not its shape
-        raise TypeError("find_split: pass the latent's shape (x.shape), not the tensor itself")
-    dims = _ints("shape", shape, "a sequence of 5 ints [B, C, T, H, W]")
-    if len(dims) != 5:
-        raise ValueError(
-            f"find_split: shape must be 5-D [B, C, T, H, W], got {len(dims)}-D shape {tuple(dims)}"
-        )
-    if any(d < 1 for d in dims):
-        raise ValueError(f"find_split: every dimension of shape must be >= 1, got {tuple(dims)}")
-    cp_size = _int("cp_size", cp_size)
-    if cp_size < 1:
-        raise ValueError(f"find_split: cp_size must be >= 1, got {cp_size}")
-    view_factor = _int("view_factor", view_factor)
-    if view_factor < 1:
-        raise ValueError(f"find_split: view_factor must be >= 1, got {view_factor}")
-    patches = _ints("patch_values", patch_values, "three ints (pT, pH, pW)")
-    if len(patches) != 3 or any(p < 1 for p in patches):
-        raise ValueError(f"find_split: patch_values must be three ints >= 1 (pT, pH, pW), got {tuple(patches)}")
-
-    _, _, t, h, w = dims
-    p_t, p_h, _ = patches
-    if t % view_factor:
-        raise ValueError(
-            f"find_split: T={t} is not divisible by view_factor={view_factor}; "
-            f"each view must have the same number of latent frames"
-        )
-    t_view = t // view_factor
-    if t_view % p_t or h % p_h:
-        raise ValueError(
-            f"find_split: the latent does not patch evenly: T/view_factor={t_view} by pT={p_t}, "
-            f"H={h} by pH={p_h}; pad the latent or change patch_values"
-        )
-    t_patched, h_patched = t_view // p_t, h // p_h
-    cp_t = math.gcd(t_patched, cp_size)
-    left = cp_size // cp_t
-    cp_h = math.gcd(h_patched, left)
-    if cp_h != left:
+    latent, cp_size = check_latent(shape, cp_size, patch_values, view_factor)
+    factors = grid_split(latent, cp_size)
+    if factors is None:
+        cp_t = math.gcd(latent.t_patched, cp_size)
+        left = cp_size // cp_t
+        cp_h = math.gcd(latent.h_patched, left)
         raise ValueError(
             f"find_split: cp_size={cp_size} cannot split this latent without splitting the width: "
-            f"the patched T={t_patched} takes a factor {cp_t} and the patched H={h_patched} takes "
+            f"the patched T={latent.t_patched} takes a factor {cp_t} and the patched H={latent.h_patched} takes "
             f"{cp_h} of the remaining {left}, leaving {left // cp_h}; cp sizes that work for shape "
-            f"{tuple(dims)} with patch_values={tuple(patches)}, view_factor={view_factor}: "
-            f"{_working_cp_sizes(t_patched, h_patched, cp_size)}"
+            f"{latent.shape} with patch_values={latent.patch}, view_factor={latent.view_factor}: "
+            f"{_working_cp_sizes(latent.t_patched, latent.h_patched, cp_size)}"
         )
+    cp_t, cp_h = factors
     import torch
 
     _record_cp_size_t(cp_t)
-    return torch.Size([t_view // cp_t, h // cp_h, w])
+    return torch.Size([latent.t_view // cp_t, latent.shape[3] // cp_h, latent.shape[4]])
 
 
 def _record_cp_size_t(value: int) -> None:

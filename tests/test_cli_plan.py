@@ -161,6 +161,11 @@ BAD = [
     (_argv(4, 1, 2, 2, None, "--patch", "1,2,2"), "give --video-shape B,C,T,H,W too"),
     (_argv(4, 1, 2, 2, None, "--video-shape", "1,16,24,88,160", "--patch", "1,2"), "--patch needs 3"),
     (_argv(4, 1, 2, 2, None, "--svg", "/nonexistent-dir/x.svg"), "cannot write --svg /nonexistent-dir/x.svg"),
+    (_argv(8, 1, 8, 1, None, "--heads", "12"), "--heads plans context parallelism for a video latent"),
+    (_argv(8, 1, 8, 1, None, "--video-shape", "1,16,21,60,104", "--kv-heads", "2"), "--kv-heads needs --heads"),
+    (_argv(8, 1, 8, 1, None, "--video-shape", "1,16,21,60,104", "--heads", "12", "--kv-heads", "5"),
+     "num_kv_heads=5 must be >= 1 and divide num_heads=12"),
+    (_argv(8, 1, 8, 1, None, "--video-shape", "1,16,1,4,4", "--heads", "12"), "4 tokens per view"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     ([], "the following arguments are required: {plan,demo}"),
 ]
@@ -261,3 +266,30 @@ def test_plan_leaves_megatron_cp_size_t_alone(capsys):
     assert cli.main(_argv(4, 1, 2, 2, None, "--video-shape", "1,16,24,88,160", "--json")) == 0
     assert json.loads(capsys.readouterr().out)["split"]["cp_size_t"] == 2
     assert "cp_size_t" not in vars(mpu) and "cp_size_t" not in vars(ps)
+
+
+def test_plan_heads_prints_the_context_parallel_plan(capsys):
+    # Wan2.1-1.3B at 480p on cp 8: find_split refuses (T = 21, 30 rows), the plan covers it (exit 0).
+    argv = _argv(8, 1, 8, 1, None, "--video-shape", "1,16,21,60,104", "--heads", "12")
+    code, out, err = _run(capsys, argv + ["--json"])
+    assert code == 0 and err == ""
+    got = json.loads(out)
+    assert got["split"] is None and "width" in got["split_error"]["message"]  # find_split's report as before
+    want = ps.plan_context_parallel((1, 16, 21, 60, 104), 8, 12)
+    assert got["cp_plan"] == {
+        "cp_size": 8, "num_heads": 12, "num_kv_heads": 12, "token_grid": [21, 30, 52], "tokens": 32760,
+        "ulysses_size": 4, "ring_size": 2, "hierarchical_context_parallel_sizes": [4, 2],
+        "tokens_per_rank": [4095] * 8, "uneven": False, "find_split": None, "cp_size_t": None,
+        "description": want.describe(),
+    }
+    code, out, err = _run(capsys, argv)
+    assert code == 0 and err == ""
+    assert "Context-parallel plan (plan_context_parallel)" in out and "ring over 2" in out
+    assert " ".join(out.split()).count("hierarchical_context_parallel_sizes=[4, 2]") == 1
+    # GQA and an uneven split: CogVideoX-5B's latent, 48 heads, 8 K/V heads, cp 16.
+    code, out, _ = _run(capsys, _argv(16, 1, 16, 1, None, "--video-shape", "1,16,13,60,90", "--heads", "48",
+                                      "--kv-heads", "8", "--json"))
+    plan = json.loads(out)["cp_plan"]
+    assert code == 0 and plan["num_kv_heads"] == 8 and plan["uneven"] is True
+    assert plan["tokens_per_rank"] == [1097] * 14 + [1096] * 2 and "replicated to 16" in plan["description"]
+    assert "cp_size_t" not in vars(ps)

@@ -230,7 +230,8 @@ def case_ulysses_uneven_errors():
             found += 1
         # heads_to_seq wants the whole sequence on every rank.
         whole = torch.zeros(1, length + (r == 0), 1, 2)
-        _raises(ValueError, ["the whole sequence", f"group rank 0 (global {ranks[0]}) has {length + 1}"],
+        _raises(ValueError, ["the whole sequence", f"group rank 0 (global {ranks[0]}) has {length + 1}",
+                             "pass every rank the whole sequence"],
                 cp.heads_to_seq, whole, 1, 2, g, length=length)
         # Ranks disagree on length.
         q = torch.zeros(1, good[r], n, 2)
