@@ -137,24 +137,20 @@ def _flat4(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, *x.shape[-3:])
 
 
-def _mask_args(mask: torch.Tensor | None, groups: int) -> dict[str, Any]:
-    """The fused kernel's causal arguments: its own flag when the rows are one head's, else an additive mask."""
-    if mask is None:
-        return {"is_causal": False, "attn_mask": None}
-    if groups == 1:
-        return {"is_causal": True, "attn_mask": None}
-    return {"is_causal": False, "attn_mask": torch.zeros(mask.shape, device=mask.device).masked_fill_(mask, float("-inf"))}
+def _mask_args(mask: torch.Tensor | None, groups: int, dtype: torch.dtype) -> tuple[bool, torch.Tensor | None]:
+    """The fused kernel's (is_causal, attn_mask): its own causal flag when the rows are one query head's,
+    an additive mask when they are a K/V head's group of query heads."""
+    if mask is None or groups == 1:
+        return mask is not None, None
+    return False, torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
 
 
 def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
                    groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's attention, normalized within the block, and its log-sum-exp ([..., rows])."""
     if _fused(q, v):
-        m = _mask_args(mask, groups)
-        if m["attn_mask"] is not None:
-            m["attn_mask"] = m["attn_mask"].to(q.dtype)
-        out, lse = _CPU_FLASH(_flat4(q), _flat4(k), _flat4(v), 0.0, m["is_causal"], attn_mask=m["attn_mask"],
-                              scale=scale)
+        causal, attn_mask = _mask_args(mask, groups, q.dtype)
+        out, lse = _CPU_FLASH(_flat4(q), _flat4(k), _flat4(v), 0.0, causal, attn_mask=attn_mask, scale=scale)
         return out.reshape(*q.shape[:-1], v.shape[-1]), lse.reshape(q.shape[:-1])
     s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
     if mask is not None:
@@ -172,12 +168,10 @@ def _block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """One block's dq, dk, dv, given the whole attention's output and log-sum-exp (so the block's softmax is
     its share of the whole one) and ``delta`` = rowsum(do * out)."""
     if _fused(q, v):
-        m = _mask_args(mask, groups)
-        if m["attn_mask"] is not None:
-            m["attn_mask"] = m["attn_mask"].to(q.dtype)
+        causal, attn_mask = _mask_args(mask, groups, q.dtype)
         dq, dk, dv = _CPU_FLASH_BACKWARD(_flat4(do), _flat4(q), _flat4(k), _flat4(v), _flat4(out),
-                                         lse.reshape(-1, *lse.shape[-2:]), 0.0, m["is_causal"],
-                                         attn_mask=m["attn_mask"], scale=scale)
+                                         lse.reshape(-1, *lse.shape[-2:]), 0.0, causal, attn_mask=attn_mask,
+                                         scale=scale)
         return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
     s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
     if mask is not None:
