@@ -1,13 +1,19 @@
-"""Context-parallel attention: cp.ulysses_attention against gathering K and V, side by side in one run.
+"""Context-parallel attention: Ulysses, ring, Ulysses x ring (usp) and gathering K and V, side by side in one run.
 
 A [1, 16, 8, 32, 32] latent patchified 1x2x2 is 2,048 tokens of 64 values; fixed projections make
 q, k and v of [1, 2048, 8 heads, 8], split along the sequence over 2 and 4 gloo ranks.
 "ulysses": one all-to-all moves q, k and v to head shards, attention over the whole sequence, one
-all-to-all back. "gather K/V": every rank gathers the whole K and V (one all-gather of both) and
-attends with its own queries. Both are checked against attention in one process before timing.
-Bytes sent per rank are the payload each rank hands to the network: all-to-all sends (n-1)/n of
-each of q, k, v and the output; the all-gather sends its K and V shards to n-1 ranks. Each
-repetition times both, in alternating order, after a barrier; a call's time is the slowest rank's.
+all-to-all back. "ring": cp.ring_attention, K/V blocks passed around the ranks point to point.
+"usp 2xR": cp.usp_attention, Ulysses over 2 ranks and a ring over R = n/2, on parallel_state's
+hierarchical cp groups. "gather K/V": every rank gathers the whole K and V (one all-gather of both)
+and attends with its own queries. All are checked against attention in one process before timing.
+Bytes sent per rank (forward, exact) are the payload each rank hands to the network, with s the
+bytes of one rank's shard of q: all-to-all sends (n-1)/n of each of q, k, v and the output
+(4 (n-1)/n s); the ring sends its K and V block on n-1 times (2 (n-1) s); usp u x r sends
+4 (u-1)/u s in its all-to-alls and 2 (r-1) s around its ring (its ring blocks have u times the
+tokens and 1/u of the heads); the all-gather sends the K and V shards to n-1 ranks (2 (n-1) s).
+The ring sends what the all-gather does, but never holds the whole K and V. Each repetition times
+every method, in rotating order, after a barrier; a call's time is the slowest rank's.
 
 ``python -m benchmarks.bench_attention [--reps N] [--worlds 2,4] [--threads 1]``
 """
@@ -76,13 +82,21 @@ def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[st
     torch.set_num_threads(opts["threads"])
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
+    import parallel_state as ps
+
     group = dist.group.WORLD
     q, k, v = make_qkv()
     ref = cp.sdpa_in_layout(q, k, v)
     mine = [cp.split_inputs_cp(t, 1, group).contiguous() for t in (q, k, v)]
     want = cp.split_inputs_cp(ref, 1, group)
     ways = {"ulysses": lambda: cp.ulysses_attention(*mine, group),
-            "gather K/V": lambda: gather_kv_attention(*mine, group)}
+            "ring": lambda: cp.ring_attention(*mine, group)}
+    u, r = usp_sizes(world)
+    if u > 1:
+        ps.initialize_model_parallel(context_parallel_size=world, hierarchical_context_parallel_sizes=[u, r])
+        ug, rg = ps.get_hierarchical_context_parallel_groups()
+        ways[f"usp {u}x{r}"] = lambda: cp.usp_attention(*mine, ulysses_group=ug, ring_group=rg)
+    ways["gather K/V"] = lambda: gather_kv_attention(*mine, group)
     for name, fn in ways.items():  # same answer as one process, checked before timing anything
         err = ((fn() - want).abs().max() / want.abs().max()).item()
         if err > 1e-5:
@@ -91,7 +105,7 @@ def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[st
     times: dict[str, list[float]] = {name: [] for name in ways}
     order = list(ways.items())
     for rep in range(opts["reps"] + opts["warmup"]):
-        for name, fn in order if rep % 2 == 0 else order[::-1]:
+        for name, fn in order[rep % len(order):] + order[:rep % len(order)]:
             dist.barrier(group=group)
             start = time.perf_counter()
             fn()
@@ -100,11 +114,18 @@ def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[st
             if rep >= opts["warmup"]:
                 times[name].append(slowest.item())
     shard = mine[0].numel() * mine[0].element_size()
-    sent = {"ulysses": 4 * (world - 1) * shard // world, "gather K/V": 2 * (world - 1) * shard}
+    sent = {"ulysses": 4 * (world - 1) * shard // world, "ring": 2 * (world - 1) * shard,
+            f"usp {u}x{r}": 4 * (u - 1) * shard // u + 2 * (r - 1) * shard, "gather K/V": 2 * (world - 1) * shard}
+    ps.destroy_model_parallel()
     dist.destroy_process_group()
     if rank:
         return None
     return {name: {"ms": statistics.median(t) * 1e3, "bytes": sent[name]} for name, t in times.items()}
+
+
+def usp_sizes(world: int) -> tuple[int, int]:
+    """usp's [ulysses, ring] sizes for ``world`` ranks: 2 x world/2, or (1, world) when that is not two levels."""
+    return (2, world // 2) if world % 2 == 0 and world >= 4 else (1, world)
 
 
 def run(world: int, opts: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
@@ -143,9 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         one = single_process_ms(args.reps, args.threads)
         for world in (int(w) for w in args.worlds.split(",")):
             r = run(world, opts)
-            u, g = r["ulysses"], r["gather K/V"]
-            rows.append([world, f"{u['bytes'] / 2**20:.2f}", f"{g['bytes'] / 2**20:.2f}", f"{u['ms']:.2f}",
-                         f"{g['ms']:.2f}", f"{g['ms'] / u['ms']:.2f}x", f"{one:.2f}"])
+            g = r["gather K/V"]
+            for name, m in r.items():
+                rows.append([world, name, f"{m['bytes'] / 2**20:.2f}", f"{m['ms']:.2f}",
+                             f"{g['ms'] / m['ms']:.2f}x", f"{one:.2f}"])
     except Exception as exc:
         print(f"bench_attention failed: {exc}", file=sys.stderr)
         return 1
@@ -153,11 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(
         f"context-parallel attention: q, k, v {list(q.shape)} float32 ({LATENT} patchified "
         f"{'x'.join(map(str, PATCH))}, {HEADS} heads), gloo ranks",
-        ["ranks", "ulysses MiB sent/rank", "gather K/V MiB sent/rank", "ulysses ms", "gather K/V ms",
-         "speed-up", "1 process ms"],
+        ["ranks", "method", "MiB sent/rank", "ms", "speed-up vs gather K/V", "1 process ms"],
         rows,
-        [f"median of {args.reps} alternating repetitions (slowest rank), {args.threads} thread(s) per rank; "
-         f"both match one-process attention within 1e-5 before timing"],
+        [f"median of {args.reps} repetitions in rotating order (slowest rank), {args.threads} thread(s) per rank; "
+         f"all match one-process attention within 1e-5 before timing"],
     ))
     print(f"(bench_attention took {time.perf_counter() - start:.0f} s)")
     return 0

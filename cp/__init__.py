@@ -8,7 +8,9 @@ runs in one process and in many.
 from cp.attention import heads_to_seq, sdpa_in_layout, seq_to_heads, ulysses_attention
 from cp.broadcast import broadcast, broadcast_split_tensor, robust_broadcast
 from cp.objects import cat_outputs_cp_object_list, split_inputs_cp_object_list
+from cp.ring import ring_attention
 from cp.shard import cat_outputs_cp, cat_outputs_cp_with_grad, shard_sizes, split_inputs_cp
+from cp.usp import usp_attention
 from cp.workspace import release_gather_workspace
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "cat_outputs_cp_with_grad",
     "heads_to_seq",
     "release_gather_workspace",
+    "ring_attention",
     "robust_broadcast",
     "sdpa_in_layout",
     "seq_to_heads",
@@ -26,4 +29,5 @@ __all__ = [
     "split_inputs_cp",
     "split_inputs_cp_object_list",
     "ulysses_attention",
+    "usp_attention",
 ]

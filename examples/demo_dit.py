@@ -1,11 +1,14 @@
-"""The demo's model: a small video DiT in plain torch (patchify, 3-D rotary embedding, blocks of
-Ulysses self-attention and MLP, unpatchify).
+"""The demo's model: a small video DiT in plain torch (patchify, 3-D rotary embedding, one register
+token, blocks of context-parallel self-attention and MLP, unpatchify).
 
-The same code runs context-parallel (a CP group, this rank's latent shard and its part of the rotary
-table) and in one process (``cp_group=None``, the whole latent): the demo compares the two. Attention
-sees the whole sequence either way (``cp.ulysses_attention``), and it does not care in which order the
-tokens come as long as each token carries its own rotary position, so a rank's tokens may stay in its
-shard's raster order while the one-process run uses the whole grid's.
+The same code runs context-parallel (this rank's latent shard, its part of the rotary table and an
+``Attention`` over the cp groups) and in one process (``attn=None``, the whole latent): the demo
+compares the two. Attention sees the whole sequence either way (``cp.usp_attention``: Ulysses over
+one group, a ring over the other), and it does not care in which order the tokens come as long as
+each token carries its own rotary position, so a rank's tokens may stay in its shard's raster order
+while the one-process run uses the whole grid's. A learned register token (no position: the identity
+rotation) goes first in the sequence, so cp rank 0 holds one token more than the others and the
+token count is odd: the shards are uneven, as ``cp.shard_sizes`` cuts them.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -33,7 +36,7 @@ MAX_TOKENS = 4096
 class DiTConfig:
     channels: int
     patch: tuple[int, int, int]   # the token patch (pT, pH, pW)
-    heads: int                    # divisible by every CP size the demo runs
+    heads: int                    # Ulysses takes gcd(heads, cp) of the cp ranks, the ring the rest
     blocks: int
 
     @property
@@ -116,12 +119,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
 
 
-#: Seconds spent in ulysses_attention's forward since the last reset (the demo's summary reports it).
+#: Seconds spent in usp_attention's forward since the last reset (the demo's summary reports it).
 attention_seconds = [0.0]
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def usp(ulysses_group: Any, ring_group: Any, length: int | None) -> Attention:
+    """Attention over the whole sequence of ``length`` tokens for [B, S, H, D] shards: ``cp.usp_attention``."""
+    def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return cp.usp_attention(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, length=length)
+
+    return attn
+
+
+def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One process: both groups of one."""
+    return cp.usp_attention(q, k, v, ulysses_group=None, ring_group=None)
+
+
+def register_rope(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The angles with the register token's first: the identity rotation (cos 1, sin 0), as it has no position."""
+    return torch.cat([torch.ones_like(cos[:1]), cos]), torch.cat([torch.zeros_like(sin[:1]), sin])
+
+
+def with_register(x: torch.Tensor, register: torch.Tensor) -> torch.Tensor:
+    """[B, S, dim] tokens with the register token ([1, dim]) put first."""
+    return torch.cat([register.expand(x.shape[0], 1, -1), x], dim=1)
 
 
 class Block(nn.Module):
-    """Pre-norm self-attention (3-D rotary, Ulysses over the CP group) and MLP, both residual."""
+    """Pre-norm self-attention (3-D rotary, context-parallel over the cp groups) and MLP, both residual."""
 
     def __init__(self, dim: int, heads: int):
         super().__init__()
@@ -133,11 +161,11 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, MLP_RATIO * dim), nn.GELU(approximate="tanh"),
                                  nn.Linear(MLP_RATIO * dim, dim))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cp_group: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention | None) -> torch.Tensor:
         b, s, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).reshape(b, s, 3, self.heads, HEAD_DIM).unbind(2)
         start = time.perf_counter()
-        a = cp.ulysses_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, cp_group)  # [B, S, H, Dh]
+        a = (attn or plain_attention)(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)  # [B, S, H, Dh]
         attention_seconds[0] += time.perf_counter() - start
         x = x + self.proj(a.reshape(b, s, d))
         return x + self.mlp(self.norm2(x))
@@ -149,13 +177,14 @@ def build(cfg: DiTConfig, seed: int) -> nn.ModuleDict:
         torch.manual_seed(seed)
         return nn.ModuleDict({
             "embed": nn.Linear(cfg.patch_dim, cfg.dim),
+            "register": nn.Embedding(1, cfg.dim),  # its weight [1, dim] is the register token
             "blocks": nn.ModuleList(Block(cfg.dim, cfg.heads) for _ in range(cfg.blocks)),
             "head": nn.Sequential(nn.LayerNorm(cfg.dim), nn.Linear(cfg.dim, cfg.patch_dim)),
         })
 
 
 def run_blocks(model: nn.ModuleDict, blocks: range, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               cp_group: Any) -> torch.Tensor:
+               attn: Attention | None) -> torch.Tensor:
     for i in blocks:
-        x = model["blocks"][i](x, cos, sin, cp_group)
+        x = model["blocks"][i](x, cos, sin, attn)
     return x

@@ -11,7 +11,10 @@ For each of two topologies (cp x pp, then another after a full teardown) every r
 groups with ``dist_init`` and checks them against the pure plan; plans the latent with
 ``find_split``; receives its shard with ``broadcast_split_tensor`` (stage 0); runs its pipeline
 stage's part of a small video DiT (``demo_dit``: patchify, 3-D rotary embedding sharded like the
-latent, blocks of Ulysses attention and MLP), passing activations with the scheduler (the last
+latent, a register token that makes the token count odd and the shards uneven, 6 heads, blocks of
+context-parallel attention and MLP; the attention is ``cp.usp_attention``, Ulysses over gcd(6, cp)
+ranks and a ring over the rest, on megatron's hierarchical cp groups: cp 4 is Ulysses 2 x ring 2),
+passing activations with the scheduler (the last
 stage sends its output back to stage 0, MAGI-1's ring); gathers with ``cat_outputs_cp`` and
 compares with the same DiT run on the whole latent in this one process; runs one backward,
 sending gradients back stage by stage and all-reducing the parameter gradients over the
@@ -44,6 +47,7 @@ from parallel_state.topology.plan import TopologyPlan
 
 SEED = 1234
 NUM_BLOCKS = 4   # the DiT's blocks, divided among the pipeline stages
+HEADS = 6        # Ulysses over gcd(HEADS, cp) ranks, a ring over the rest: any cp size works
 CP_DIM = 2       # the context-parallel shard dimension of the [B, C, cp, T', H', W] layout
 ORDER = "tp-cp-pp-dp"  # dist_init's
 TOLERANCE = 1e-5  # max |diff| / max |one-process value|, for the output and every gradient
@@ -92,8 +96,9 @@ def reference(shape: tuple[int, ...], cfg: demo_dit.DiTConfig) -> tuple[torch.Te
     grid = token_grid(shape, cfg.patch)
     cos, sin = demo_dit.rope_for_tokens(demo_dit.rope_table(grid))
     x = model["embed"](demo_dit.patchify(latent(shape), cfg.patch))
+    x, (cos, sin) = demo_dit.with_register(x, model["register"].weight), demo_dit.register_rope(cos, sin)
     x = demo_dit.run_blocks(model, range(cfg.blocks), x, cos, sin, None)
-    out = demo_dit.unpatchify(model["head"](x), cfg.patch, grid, cfg.channels)
+    out = demo_dit.unpatchify(model["head"](x[:, 1:]), cfg.patch, grid, cfg.channels)
     (out * target(shape)).sum().backward()
     return out.detach(), {n: p.grad for n, p in model.named_parameters()}
 
@@ -179,6 +184,9 @@ class Topology:
         self.shape, self.patch, self.timeout = shape, patch, timeout
         self.corrupt_rank, self.print_layout = corrupt_rank, print_layout
         self.label = f"cp {cp_size} x pp {pp_size}"
+        # Ulysses splits the heads, so it takes as many cp ranks as divide them; the ring takes the rest.
+        self.ulysses = math.gcd(heads, cp_size)
+        self.ring = cp_size // self.ulysses
         self.shard: torch.Tensor | None = None
         self.output: torch.Tensor | None = None  # this rank's shard of the model's output, if it has one
         self.attention_seconds = 0.0
@@ -198,6 +206,17 @@ class Topology:
     # -- steps (each returns a detail for rank 0's progress line)
 
     def init(self) -> str:
+        if self.ring > 1:
+            # dist_init builds no hierarchical cp groups: build the same groups with them first, and dist_init
+            # checks them and runs its hooks. It also starts torch.distributed, so on the first build it runs once
+            # before, and its groups make way for these.
+            if not dist.is_initialized():
+                ps.dist_init(distributed_backend="gloo", cp_size=self.cp_size, pp_size=self.pp_size,
+                             timeout=self.timeout)
+                ps.destroy_model_parallel()
+            ps.initialize_model_parallel(context_parallel_size=self.cp_size, pipeline_model_parallel_size=self.pp_size,
+                                         order=ORDER, hierarchical_context_parallel_sizes=[self.ulysses, self.ring],
+                                         timeout=self.timeout)
         ps.dist_init(distributed_backend="gloo", cp_size=self.cp_size, pp_size=self.pp_size, timeout=self.timeout)
         rank, world = dist.get_rank(), dist.get_world_size()
         self.plan = plan = TopologyPlan(world, cp=self.cp_size, pp=self.pp_size, order=ORDER)
@@ -218,8 +237,19 @@ class Topology:
         if self.pp_size > 1:
             scheduler.pp_scheduler()  # raises unless dist_init created it
         self.stage = coords["pp"]
+        cp_ranks, i, u = list(plan.group_ranks("cp", rank)), coords["cp"], self.ulysses
+        if self.ring > 1:
+            self.ulysses_group, self.ring_group = ps.get_hierarchical_context_parallel_groups()
+        else:
+            self.ulysses_group, self.ring_group = ps.get_context_parallel_group(), None
+        # Megatron's hierarchical cp groups: Ulysses over u consecutive cp ranks, the ring over every u-th one.
+        want = {"ulysses": cp_ranks[i - i % u:i - i % u + u], "ring": cp_ranks[i % u::u]}
+        for kind, group in (("ulysses", self.ulysses_group), ("ring", self.ring_group)):
+            got = [rank] if group is None else list(dist.get_process_group_ranks(group))
+            check(got == want[kind], f"the {kind} group holds ranks {got}, expected {want[kind]}")
         return (f"cp groups {[list(g) for g in plan.groups('cp')]}, "
-                f"pp groups {[list(g) for g in plan.groups('pp')]}")
+                f"pp groups {[list(g) for g in plan.groups('pp')]}; cp {self.cp_size} as ulysses {u} x ring "
+                f"{self.ring}")
 
     def split(self) -> str:
         per_rank = tuple(ps.find_split(list(self.shape), self.cp_size, patch_values=self.patch))
@@ -260,7 +290,13 @@ class Topology:
         table = to_cp_layout(demo_dit.rope_table(token_grid(self.shape, cfg.patch)), self.cp_t, self.cp_h)
         cos, sin = demo_dit.rope_for_tokens(cp.split_inputs_cp(table, CP_DIM, group).squeeze(CP_DIM))
         grid = token_grid(self.shard_shape, cfg.patch)
-        tokens = (self.shard_shape[0], math.prod(grid), cfg.dim)
+        # The register token goes first in the sequence: cp rank 0 holds it, one token more than the others.
+        first = ps.get_context_parallel_rank() == 0
+        length = self.cp_size * math.prod(grid) + 1
+        attn = demo_dit.usp(self.ulysses_group, self.ring_group, length)
+        if first:
+            cos, sin = demo_dit.register_rope(cos, sin)
+        tokens = (self.shard_shape[0], math.prod(grid) + first, cfg.dim)
         sched = scheduler.pp_scheduler() if pp > 1 else None
         demo_dit.attention_seconds[0] = 0.0
         if stage == 0:
@@ -269,10 +305,13 @@ class Topology:
             if sched is not None:
                 sched.queue_irecv_prev(self.shard_shape, torch.float32)  # the ring: the output comes back
             x = model["embed"](demo_dit.patchify(self.shard, cfg.patch))
+            if first:
+                x = demo_dit.with_register(x, model["register"].weight)
         else:
             self.received = x = sched.recv_prev_data(tokens, torch.float32).requires_grad_(True)
-        x = demo_dit.run_blocks(model, stage_blocks(stage, pp), x, cos, sin, group)
+        x = demo_dit.run_blocks(model, stage_blocks(stage, pp), x, cos, sin, attn)
         if stage == pp - 1:
+            x = x[:, 1:] if first else x  # the register token has no place in the video
             self.output = demo_dit.unpatchify(model["head"](x), cfg.patch, grid, cfg.channels)
             if sched is not None:
                 sched.send_next_data(self.output.detach())  # the last stage's next is stage 0
@@ -286,7 +325,7 @@ class Topology:
         self.attention_seconds = slowest.item()
         where = f"{NUM_BLOCKS} blocks on one stage" if pp == 1 else \
             f"{NUM_BLOCKS} blocks over {pp} stages, last stage -> stage 0"
-        return (f"{math.prod(token_grid(self.shape, cfg.patch))} tokens of patch {'x'.join(map(str, cfg.patch))}, "
+        return (f"{length} tokens ({length - 1} of patch {'x'.join(map(str, cfg.patch))} and a register), "
                 f"{cfg.heads} heads, {where}")
 
     def gather(self) -> str:
@@ -318,8 +357,11 @@ class Topology:
             sched = scheduler.pp_scheduler()
             dist.send(self.received.grad.contiguous(), dst=sched.prev_rank, group=sched.group)
         # Every rank of the data-parallel-with-CP group holds this stage: sum their gradients in one collective.
-        named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
-        flat = torch.cat([p.grad.reshape(-1) for _, p in named])
+        # Only cp rank 0 holds the register token, so only there has it a gradient; the others add zeros.
+        named = [(n, p) for n, p in self.model.named_parameters() if self._owns(n)]
+        has = {n for n, p in named if p.grad is not None}
+        first = ps.get_context_parallel_rank() == 0
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in named])
         dist.all_reduce(flat, group=ps.get_data_parallel_group(with_context_parallel=True))
         ref = reference(self.shape, self.cfg)[1]
         errs, offset = {}, 0
@@ -327,8 +369,10 @@ class Topology:
             errs[n] = relative_error(flat[offset:offset + p.numel()].view_as(p), ref[n])
             offset += p.numel()
         expected = {n for n, _ in self.model.named_parameters() if self._owns(n)}
-        check(set(errs) == expected, f"parameters {sorted(set(errs) ^ expected)} have gradients where the stage "
-              f"does not own them, or lack them where it does")
+        expected -= set() if first else {"register.weight"}
+        grads = {n for n, p in self.model.named_parameters() if p.grad is not None}
+        check(has == expected == grads, f"parameters {sorted((grads | has) ^ expected)} have gradients where this "
+              f"rank does not use them, or lack them where it does")
         name, err = max(errs.items(), key=lambda kv: kv[1])
         worst = torch.tensor([err], dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -342,7 +386,7 @@ class Topology:
         part = name.split(".")
         if part[0] == "blocks":
             return int(part[1]) in stage_blocks(self.stage, self.pp_size)
-        return self.stage == (0 if part[0] == "embed" else self.pp_size - 1)
+        return self.stage == (0 if part[0] in ("embed", "register") else self.pp_size - 1)
 
     def teardown(self) -> str:
         ps.destroy_model_parallel()
@@ -385,12 +429,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     timeout = datetime.timedelta(seconds=args.timeout)
     topologies = [(args.cp, args.pp), (args.rebuild_cp, args.rebuild_pp)]
     steps = Steps(total=STEPS * len(topologies))
-    heads = math.lcm(4, *(c for c, _ in topologies))  # every CP size must divide the number of heads
     start = time.perf_counter()
     attention = []
     for i, (cp_size, pp_size) in enumerate(topologies):
         topology = Topology(steps, cp_size, pp_size, shape, patch, timeout,  # type: ignore[arg-type]
-                            corrupt_rank=args.corrupt_rank if i == 0 else None, print_layout=i == 0, heads=heads)
+                            corrupt_rank=args.corrupt_rank if i == 0 else None, print_layout=i == 0, heads=HEADS)
         topology.run()
         attention.append(topology.attention_seconds)
     world = dist.get_world_size()
@@ -408,9 +451,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         labels = [f"cp {c} x pp {p}" for c, p in topologies]
         rows = [[n] + [f"{steps.done[STEPS * t + i][1]:.2f} s" for t in range(len(topologies))]
                 for i, n in enumerate(names)]
-        # Inside the forward step: the attention itself, both all-to-alls included.
+        # Inside the forward step: the attention itself, its all-to-alls and ring transfers included.
         rows.insert(names.index("DiT forward via scheduler") + 1,
-                    ["  of which ulysses_attention"] + [f"{a:.2f} s" for a in attention])
+                    ["  of which usp_attention"] + [f"{a:.2f} s" for a in attention])
         width = max(len(row[0]) for row in rows + [["time per step (slowest rank)"]])
         print(f"  {'time per step (slowest rank)':<{width}}  " + "  ".join(f"{lab:>12}" for lab in labels))
         for row in rows:
