@@ -8,10 +8,23 @@ runs in one process and in many.
 from cp.attention import heads_to_seq, sdpa_in_layout, seq_to_heads, ulysses_attention
 from cp.broadcast import broadcast, broadcast_split_tensor, robust_broadcast
 from cp.objects import cat_outputs_cp_object_list, split_inputs_cp_object_list
-from cp.ring import ring_attention
 from cp.shard import cat_outputs_cp, cat_outputs_cp_with_grad, shard_sizes, split_inputs_cp
-from cp.usp import usp_attention
 from cp.workspace import release_gather_workspace
+
+#: Imported on first use: most programs pick one attention method, and import time is per process.
+_LAZY = {"ring_attention": "cp.ring", "usp_attention": "cp.usp"}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cp' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later reads skip this function
+    return value
+
 
 __all__ = [
     "broadcast",
