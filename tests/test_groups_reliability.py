@@ -543,7 +543,7 @@ def case_destroy_right_after_initialize(cycles):
 
 
 def test_destroy_right_after_initialize_is_safe(pools):
-    assert pools(4).run(case_destroy_right_after_initialize, 40, timeout=120) == [True] * 4
+    assert pools(4).run(case_destroy_right_after_initialize, 16, timeout=120) == [True] * 4
 
 
 # Accessors: what each one does before initialize_model_parallel (on an initialized torch.distributed).

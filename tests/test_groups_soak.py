@@ -10,8 +10,8 @@ import datetime
 
 import parallel_state as ps
 
-CYCLES = 120  # enough to see a leak of a few KiB a cycle over the settled cycles
-WARMUP = 20  # allocator pools and caches settle during the first cycles
+CYCLES = 60  # enough to see a leak of a few groups' worth a cycle over the settled cycles
+WARMUP = 12  # allocator pools and caches settle during the first cycles
 TOPOLOGIES = [dict(cp_size=2, pp_size=2), dict(tensor_model_parallel_size=2, cp_size=2), dict(cp_size=4),
               dict(cp_size=2, order="tp-cp-pp-dp")]  # the last has dp=2
 

@@ -393,7 +393,7 @@ def test_dtensor_collectives_over_mesh_tp(pools):
 
 
 def test_no_group_survives_destroy_across_cycles(pools):
-    results = pools(8).run(case_cycles, 20, timeout=180)
+    results = pools(8).run(case_cycles, 8, timeout=180)
     for rank, cycles in enumerate(results):
         for i, c in enumerate(cycles):
             assert c["ok"], (rank, i)
