@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Sequence
 
 from parallel_state.topology.arguments import optional_positive_int
 
@@ -112,7 +112,7 @@ def keep(key: str, entry: Entry) -> None:
     _evict()
 
 
-def in_use(extra: list[Any] = ()) -> set[int]:  # type: ignore[assignment]
+def in_use(extra: Sequence[Any] = ()) -> set[int]:
     """ids of the groups the cached topologies (and ``extra``) use."""
     return {id(g) for e in _entries.values() for g in e.owned if g is not None} | {id(g) for g in extra if g}
 
