@@ -127,7 +127,13 @@ def build(
     global _state
     import torch.distributed as dist
 
-    from parallel_state.groups.create import GroupBatch, destroy_groups, eager_nccl, sharp_enabled, subset_base
+    from parallel_state.groups.create import (
+        GroupBatch,
+        destroy_groups,
+        eager_nccl,
+        sharp_enabled,
+        subset_base,
+    )
 
     if _state is not None:
         raise ParallelStateAssertionError(
@@ -244,8 +250,8 @@ def teardown() -> None:
         except BaseException as exc:  # keep tearing down; report after
             errors.append(exc)
     if state is not None:
-
         owned, state.owned = state.owned, []
+        refreshed = False
         try:
             if group_cache.enabled() and state.cache_key is not None:
                 # The groups stay alive for the next initialize; everything else is reset as usual.
@@ -256,9 +262,14 @@ def teardown() -> None:
             state.groups.clear()  # hand every reference to destroy_groups, which frees the groups
             state.gloo_groups.clear()
             del state
+            # The answers (and the accessors' fast paths) drop their references first, so that
+            # destroy_groups holds the last ones and frees the groups off this thread.
+            refreshed = True
+            _changed()
             destroy_groups(owned)
         finally:
-            _changed()
+            if not refreshed:
+                _changed()
     else:
         _changed()
     if errors:
