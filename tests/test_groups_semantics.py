@@ -137,7 +137,11 @@ def _try_all_reduce(group, absent):
             dist.all_reduce(torch.ones(1), group=group)
             outcome = "done"
         except Exception as exc:
-            outcome = "raised" if "timed out" in str(exc).lower() or "timeout" in str(exc).lower() else f"other: {exc}"
+            text = str(exc).lower()
+            # A member whose own timeout fires first may close its connections: a peer still waiting
+            # then sees them closed before its own timeout, which is the same failure, seen second-hand.
+            outcome = ("raised" if "timed out" in text or "timeout" in text else
+                       "peer gave up" if "closed by peer" in text or "connection reset" in text else f"other: {exc}")
     time.sleep(max(0.0, deadline - time.monotonic()))
     return outcome
 
@@ -157,7 +161,8 @@ def case_timeouts():
 
 def test_a_kinds_timeout_turns_a_missing_rank_into_an_error(pools):
     results = pools(4).run(case_timeouts, timeout=30)
-    assert [r[0] for r in results] == ["raised"] * 3 + ["absent"]  # cp = the whole world
+    cp = [r[0] for r in results]  # cp = the whole world: every member fails, at least one by its own timeout
+    assert set(cp[:3]) <= {"raised", "peer gave up"} and "raised" in cp[:3] and cp[3] == "absent", cp
     assert [r[1] for r in results] == ["done", "done", "raised", "absent"]  # tp groups {0, 1}, {2, 3}
     assert [r[2] for r in results] == ["done", "raised", "done", "absent"]  # pp groups {0, 2}, {1, 3}
 
