@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from cp import debug
-from cp.attention import _check_dims, sdpa_in_layout
+from cp.attention import _check_dims, _check_length, sdpa_in_layout
 from cp.comm import check_group, global_ranks
 from cp.shard import check_tensor, shard_sizes
 
@@ -404,12 +404,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: 
     if length is None:
         blocks, how = (q.shape[s],) * n, "blocks"
     else:
-        if isinstance(length, bool) or not isinstance(length, int):
-            raise TypeError(f"{what}: length must be an int (the whole sequence's length) or None, got "
-                            f"{type(length).__name__} {length!r}")
-        if length < n:
-            raise ValueError(f"{what}: length={length} is shorter than the group ({n} ranks): every rank needs at "
-                             f"least one token; use a smaller group or a longer sequence")
+        _check_length(what, length, n)
         blocks, how = shard_sizes(length, n), f"length={length} (cp.shard_sizes({length}, {n}))"
     return ring_attention_blocks(q, k, v, cp_group, blocks, causal=causal, seq_dim=seq_dim, head_dim=head_dim,
                                  softmax_scale=softmax_scale, what=what, how=how)

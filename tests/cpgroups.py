@@ -1,4 +1,4 @@
-"""The process groups the cp and attention test cases run on (imported by the ranks that run them)."""
+"""The process groups the cp and attention test cases run on, and their error check (imported by the ranks)."""
 
 from __future__ import annotations
 
@@ -18,3 +18,15 @@ def cp_groups():
                                      timeout=datetime.timedelta(seconds=30))
         groups.append(ps.get_context_parallel_group())
     return groups
+
+
+def raises(exc_type, fragments, fn, *args, **kwargs):
+    """Assert ``fn`` raises ``exc_type`` with every fragment in its message; return the message."""
+    try:
+        fn(*args, **kwargs)
+    except exc_type as exc:
+        msg = str(exc)
+        missing = [f for f in fragments if f not in msg]
+        assert not missing, f"{fn.__name__}: message {msg!r} lacks {missing}"
+        return msg
+    raise AssertionError(f"{fn.__name__}{args!r} did not raise {exc_type.__name__} (expected {fragments})")

@@ -12,6 +12,7 @@ import parallel_state as ps
 from cp import debug, meta
 from cp.comm import parse_backend
 from cpgroups import cp_groups
+from cpgroups import raises as _raises
 
 ENV = "PARALLEL_STATE_DEBUG"
 
@@ -41,16 +42,6 @@ def _same_bits(a, b):
     return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(_bits(a), _bits(b))
 
 
-def _raises(exc_type, fragments, fn, *args, **kwargs):
-    """Assert ``fn`` raises ``exc_type`` with every fragment in its message; return the message."""
-    try:
-        fn(*args, **kwargs)
-    except exc_type as exc:
-        msg = str(exc)
-        missing = [f for f in fragments if f not in msg]
-        assert not missing, f"{fn.__name__}: message {msg!r} lacks {missing}"
-        return msg
-    raise AssertionError(f"{fn.__name__}{args!r} did not raise {exc_type.__name__}")
 
 
 def _cases(n):

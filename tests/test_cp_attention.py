@@ -9,6 +9,7 @@ import torch
 
 import cp
 from cpgroups import cp_groups
+from cpgroups import raises as _raises
 
 ENV = "PARALLEL_STATE_DEBUG"
 
@@ -31,14 +32,6 @@ def _rel(got, want):
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-def _raises(exc_type, fragments, fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except exc_type as exc:
-        missing = [f for f in fragments if f not in str(exc)]
-        assert not missing, f"{fn.__name__}: message {str(exc)!r} lacks {missing}"
-        return str(exc)
-    raise AssertionError(f"{fn.__name__} did not raise {exc_type.__name__} (expected {fragments})")
 
 
 #: (full shape with the sequence at its whole length, seq_dim, head_dim, dtype); sequences and heads are

@@ -10,6 +10,7 @@ import torch
 
 import cp
 import cp.ring
+from cpgroups import raises as _raises
 
 # ---------------------------------------------------------------- helpers run on every rank
 
@@ -29,14 +30,6 @@ def _rel(got, want, whole):
     return ((got.double() - want.double()).abs().max() / whole.double().abs().max()).item()
 
 
-def _raises(exc_type, fragments, fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except exc_type as exc:
-        missing = [f for f in fragments if f not in str(exc)]
-        assert not missing, f"message {str(exc)!r} lacks {missing}"
-        return str(exc)
-    raise AssertionError(f"{fn.__name__} did not raise {exc_type.__name__} (expected {fragments})")
 
 
 def _reference(q, k, v, s, h, causal, scale):

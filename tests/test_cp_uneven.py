@@ -11,6 +11,7 @@ import torch
 
 import cp
 from cpgroups import cp_groups
+from cpgroups import raises as _raises
 
 # ---------------------------------------------------------------- helpers run on every rank
 
@@ -24,14 +25,6 @@ def _part(x, dim, g):
     return x.tensor_split(g.size(), dim=dim)[g.rank()]
 
 
-def _raises(exc_type, fragments, fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except exc_type as exc:
-        missing = [f for f in fragments if f not in str(exc)]
-        assert not missing, f"{fn.__name__}: message {str(exc)!r} lacks {missing}"
-        return str(exc)
-    raise AssertionError(f"{fn.__name__} did not raise {exc_type.__name__} (expected {fragments})")
 
 
 def _close(got, want, what):
