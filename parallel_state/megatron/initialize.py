@@ -121,7 +121,8 @@ def initialize_model_parallel(
         "megatron_holds_own_groups": clash is not None,
         "group_cache": group_cache.enabled(),
     }
-    cache_key = _cache_key(config, timeout, members, nccl_communicator_config_path, high_priority_stream_groups)
+    cache_key = (_cache_key(config, timeout, members, nccl_communicator_config_path, high_priority_stream_groups)
+                 if group_cache.enabled() else None)  # only the cache needs the topology's name
     caches_agree = None  # unknown: the build compares the caches itself
     if check_consistency:
         from parallel_state.groups.consistency import check_same_everywhere
