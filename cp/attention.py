@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from cp import debug
 from cp.comm import all_gather_into, check_group, global_ranks, meta_device
-from cp.shard import check_tensor, normalize_dim, shard_sizes
+from cp.layout import _check_dims, _check_length, sdpa_in_layout
+from cp.shard import check_tensor, shard_sizes
 
 AttnFn = Callable[..., torch.Tensor]
 
@@ -131,17 +132,6 @@ class _AllToAll(torch.autograd.Function):
                 *_exchange_sized(grads, gather_dim, scatter_dim, ctx.group, gather_sizes, scatter_sizes))
 
 
-def _check_length(what: str, length: Any, n: int) -> int:
-    """``length`` as an int of at least ``n``; TypeError/ValueError (the same on every rank) otherwise."""
-    if isinstance(length, bool) or not isinstance(length, int):
-        raise TypeError(f"{what}: length must be an int (the full sequence length over the group) or None, "
-                        f"got {type(length).__name__} {length!r}")
-    if length < n:
-        raise ValueError(f"{what}: length={length} is shorter than the group of size {n}: every rank needs at "
-                         f"least one token; use a group of at most {length} ranks or a longer sequence")
-    return length
-
-
 def _agreed_sizes(what: str, group: Any, length: int, named: Sequence[tuple[str, int]],
                   whole: bool = False) -> list[tuple[int, ...]]:
     """Every tensor's shard sizes over the group, checked on every rank alike (one small all-gather).
@@ -183,18 +173,6 @@ def _agreed_sizes(what: str, group: Any, length: int, named: Sequence[tuple[str,
             raise ValueError(f"{what}: {name}'s sequence lengths over the group are {got}, not {rule}: {bad}; {fix}")
         out.append(want)
     return out
-
-
-def _check_dims(what: str, x: Any, name: str, seq_dim: Any, head_dim: Any, n: int) -> tuple[int, int]:
-    """Type- and range-check one tensor's dims; the normalized (seq_dim, head_dim)."""
-    check_tensor(what, x, name)
-    label = what if name == "x" else f"{what}, {name}"
-    s = normalize_dim(label, x.shape, seq_dim, n, "seq_dim")
-    h = normalize_dim(label, x.shape, head_dim, n, "head_dim")
-    if s == h:
-        raise ValueError(f"{what}: seq_dim={seq_dim} and head_dim={head_dim} both name dim {s} of {name}'s shape "
-                         f"{tuple(x.shape)}; pass the sequence dimension and the head dimension, which must differ")
-    return s, h
 
 
 def _check_split(what: str, x: torch.Tensor, name: str, dim: int, arg: str, value: int, n: int, kind: str) -> None:
@@ -258,19 +236,6 @@ def heads_to_seq(x: torch.Tensor, seq_dim: int, head_dim: int, cp_group: Any = N
     ``x`` then holds all ``length`` tokens and rank i gets back ``shard_sizes(length, n)[i]`` of them.
     """
     return _move("heads_to_seq", x, seq_dim, head_dim, cp_group, to_heads=False, length=length)
-
-
-def sdpa_in_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_dim: int = 1, head_dim: int = 2,
-                   **attn_kwargs: Any) -> torch.Tensor:
-    """torch's scaled_dot_product_attention on tensors laid out with the given sequence and head dims.
-
-    SDPA wants [..., H, S, D]: the two dims move there (the remaining last dim is the feature dim, the
-    others are batch), attention runs, and the output moves back to q's layout.
-    """
-    dims = (head_dim % q.dim(), seq_dim % q.dim())
-    out = torch.nn.functional.scaled_dot_product_attention(
-        *(t.movedim(dims, (-3, -2)) for t in (q, k, v)), **attn_kwargs)
-    return out.movedim((-3, -2), dims)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: Any = None, *,

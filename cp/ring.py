@@ -37,17 +37,15 @@ import torch
 import torch.distributed as dist
 
 from cp import debug
-from cp.attention import _check_dims, _check_length, sdpa_in_layout
+from cp.blocks import _block_backward, _block_forward, _compute_dtype, _p2p, _wait
 from cp.comm import check_group, global_ranks
+from cp.layout import _check_dims, _check_length, _scale, sdpa_in_layout
 from cp.shard import check_tensor, shard_sizes
 
 #: Tags of the two kinds of message, so that gloo never pairs one kind's send with another's receive.
 _TAG_KV, _TAG_DKV = 11, 12
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Where scores, softmax statistics and gradient sums are accumulated."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+#: Whether CPU blocks use torch's fused kernel (tests switch it off to check the plain one against it).
+use_fused_cpu = True
 
 
 class _Ring:
@@ -73,16 +71,6 @@ class _Ring:
             return False
         # Causal: rank + 1 needs the block (rank - t) only while it lies in its past, not wrapped around.
         return not self.causal or (rank < self.n - 1 and t <= rank)
-
-
-def _p2p(ops: list[Any]) -> list[Any]:
-    """Start a batch of point-to-point ops (none is fine); their works."""
-    return dist.batch_isend_irecv(ops) if ops else []
-
-
-def _wait(works: list[Any]) -> None:
-    for w in works:
-        w.wait()
 
 
 def _kv_transfer(ring: _Ring, t: int, packed: torch.Tensor, sizes: Sequence[int]) -> tuple[list[Any], Any]:
@@ -119,71 +107,6 @@ def _diag_mask(q_len: int, groups: int, device: torch.device) -> torch.Tensor:
     return mask.repeat(groups, 1)
 
 
-#: torch's fused CPU attention that also returns the log-sum-exp (a private op, so looked up, not assumed).
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-#: Whether CPU blocks use the fused kernel (tests switch it off to check the plain one against it).
-use_fused_cpu = True
-
-
-def _fused(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether this block can use the fused CPU kernel (it wants one feature size for q, k and v)."""
-    return (use_fused_cpu and q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and _CPU_FLASH is not None
-            and _CPU_FLASH_BACKWARD is not None)
-
-
-def _flat4(x: torch.Tensor) -> torch.Tensor:
-    """[..., H, S, D] as [B, H, S, D], the fused kernel's layout."""
-    return x.reshape(-1, *x.shape[-3:])
-
-
-def _mask_args(mask: torch.Tensor | None, groups: int, dtype: torch.dtype) -> tuple[bool, torch.Tensor | None]:
-    """The fused kernel's (is_causal, attn_mask): its own causal flag when the rows are one query head's,
-    an additive mask when they are a K/V head's group of query heads."""
-    if mask is None or groups == 1:
-        return mask is not None, None
-    return False, torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
-
-
-def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
-                   groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's attention, normalized within the block, and its log-sum-exp ([..., rows])."""
-    if _fused(q, v):
-        causal, attn_mask = _mask_args(mask, groups, q.dtype)
-        out, lse = _CPU_FLASH(_flat4(q), _flat4(k), _flat4(v), 0.0, causal, attn_mask=attn_mask, scale=scale)
-        return out.reshape(*q.shape[:-1], v.shape[-1]), lse.reshape(q.shape[:-1])
-    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    if mask is not None:
-        s.masked_fill_(mask, float("-inf"))
-    m = s.amax(-1, keepdim=True)  # finite: in the diagonal block every query sees at least itself
-    p = torch.exp_(s.sub_(m))
-    total = p.sum(-1, keepdim=True)
-    out = torch.matmul(p, v).div_(total)
-    return out, m.add_(total.log_()).squeeze(-1)
-
-
-def _block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, delta: torch.Tensor, scale: float, mask: torch.Tensor | None,
-                    groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block's dq, dk, dv, given the whole attention's output and log-sum-exp (so the block's softmax is
-    its share of the whole one) and ``delta`` = rowsum(do * out)."""
-    if _fused(q, v):
-        causal, attn_mask = _mask_args(mask, groups, q.dtype)
-        dq, dk, dv = _CPU_FLASH_BACKWARD(_flat4(do), _flat4(q), _flat4(k), _flat4(v), _flat4(out),
-                                         lse.reshape(-1, *lse.shape[-2:]), 0.0, causal, attn_mask=attn_mask,
-                                         scale=scale)
-        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
-    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    if mask is not None:
-        s.masked_fill_(mask, float("-inf"))
-    p = torch.exp_(s.sub_(lse.unsqueeze(-1)))  # the softmax itself, from the whole attention's log-sum-exp
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    ds = p.mul_(torch.matmul(do, v.transpose(-1, -2)).sub_(delta.unsqueeze(-1)))
-    dq = torch.matmul(ds, k).mul_(scale)
-    dk = torch.matmul(ds.transpose(-1, -2), q).mul_(scale)
-    return dq, dk, dv
-
-
 class _RingAttention(torch.autograd.Function):
     """Ring attention on [..., Hkv, G * S, D] queries and [..., Hkv, S, D] keys and values."""
 
@@ -200,7 +123,7 @@ class _RingAttention(torch.autograd.Function):
             works, recv = _kv_transfer(ring, t, packed, sizes)  # overlaps this step's compute
             if ring.computes(t):
                 kb, vb = _unpack(packed, k.shape, v.shape, ring.blocks[ring.source(t)], cd)
-                bo, bl = _block_forward(qc, kb, vb, scale, mask if t == 0 else None, groups)
+                bo, bl = _block_forward(qc, kb, vb, scale, mask if t == 0 else None, groups, use_fused_cpu)
                 if acc is None:
                     acc, lse = bo, bl
                 else:  # the online softmax: weigh both by their share of the merged log-sum-exp
@@ -240,7 +163,7 @@ class _RingAttention(torch.autograd.Function):
             if ring.computes(t):
                 kb, vb = _unpack(packed, k.shape, v.shape, ring.blocks[ring.source(t)], cd)
                 bq, bk, bv = _block_backward(do, qc, kb, vb, outc, lse, delta, scale, mask if t == 0 else None,
-                                             groups)
+                                             groups, use_fused_cpu)
                 dq.add_(bq)
                 dkv = torch.cat([bk.reshape(-1), bv.reshape(-1)])
             _wait(dkv_works)  # sent by the previous rank after its step t - 1
@@ -308,15 +231,6 @@ def _check_blocks(what: str, q: torch.Tensor, s: int, blocks: tuple[int, ...], r
             f"{what}: {who} holds {q.shape[s]} tokens (q {tuple(q.shape)}, seq_dim {s}) but {how} gives it "
             f"{blocks[rank]} (every rank's: {list(blocks)}); shard the sequence with "
             f"cp.split_inputs_cp(x, seq_dim, group{', uneven=True' if 'length' in how else ''})")
-
-
-def _scale(what: str, softmax_scale: Any, feature: int) -> float:
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(feature)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
-        raise ValueError(f"{what}: softmax_scale must be a positive number or None (1/sqrt(feature dim)), got "
-                         f"{softmax_scale!r}")
-    return float(softmax_scale)
 
 
 def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, h: int, groups: int, causal: bool,
