@@ -296,7 +296,7 @@ def _debug_check(what: str, q: torch.Tensor, s: int, blocks: tuple[int, ...], gr
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: Any = None, *, causal: bool = False,
-                   length: int | None = None, seq_dim: int = 1, head_dim: int = 2,
+                   mask: Any = None, plan: Any = None, length: int | None = None, seq_dim: int = 1, head_dim: int = 2,
                    softmax_scale: float | None = None) -> torch.Tensor:
     """Attention over the whole sequence for sequence-sharded q, k and v (default layout [B, S, H, D]), by
     passing K/V blocks around the group's ring; returns this rank's shard of the output, in q's layout and dtype.
@@ -307,11 +307,20 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: 
     wholly in a rank's future are skipped. K/V may have fewer heads than q (a divisor of q's: GQA).
     ``softmax_scale`` defaults to 1/sqrt(feature dim). ``cp_group=None`` or a group of one is plain
     attention. Differentiable in q, k and v; no rank holds more than one other rank's K/V block at once.
+
+    ``mask`` (a ``cp.Mask``) and/or ``plan`` (a ``cp.DispatchPlan`` for this group): masked attention.
+    With a plan, this rank holds the tokens ``plan.positions[rank]`` (what ``cp.dispatch`` gives it)
+    and the mask is the plan's; with a mask alone, the contiguous split above. K/V then go point to
+    point from their owner to exactly the ranks whose queries see them (see ``cp.masked``); one
+    small all-gather first checks every rank's token count and plan, so a mistake raises on every
+    rank. ``causal=True`` is the plain path; with a mask, pass ``cp.Mask.causal()`` instead.
     """
     what = "ring_attention"
     if cp_group is not None:
         check_group(cp_group, what)
     n = 1 if cp_group is None else cp_group.size()
+    if mask is not None or plan is not None:
+        return _masked_ring(what, q, k, v, cp_group, n, causal, mask, plan, length, seq_dim, head_dim, softmax_scale)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(what, t, name)
     s = _check_dims(what, q, "q", seq_dim, head_dim, n)[0]
@@ -322,6 +331,34 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: 
         blocks, how = shard_sizes(length, n), f"length={length} (cp.shard_sizes({length}, {n}))"
     return ring_attention_blocks(q, k, v, cp_group, blocks, causal=causal, seq_dim=seq_dim, head_dim=head_dim,
                                  softmax_scale=softmax_scale, what=what, how=how)
+
+
+def _masked_ring(what: str, q: Any, k: Any, v: Any, group: Any, n: int, causal: Any, mask: Any, plan: Any,
+                 length: Any, seq_dim: Any, head_dim: Any, softmax_scale: Any) -> torch.Tensor:
+    """ring_attention with ``mask`` / ``plan``: checks, the cached schedule, the engine of cp.masked."""
+    from cp import masked
+
+    s, h, _ = _check_qkv(what, q, k, v, seq_dim, head_dim, n)
+    if not isinstance(causal, bool):
+        raise TypeError(f"{what}: causal must be a bool, got {type(causal).__name__} {causal!r}")
+    if length is not None:
+        _check_length(what, length, n)
+    scale = _scale(what, softmax_scale, _feature(q, s, h))
+    given = plan
+    plan = masked.resolve(what, mask, plan, causal, n, q.shape[s], length)
+    rank = 0 if group is None else group.rank()
+    sched = masked.schedule(plan, "plan", lambda: plan.positions, rank)
+    layout, fix = (("plan", "give each rank the tokens cp.dispatch(x, plan, seq_dim, cp_group) gives it")
+                   if given is not None else
+                   (f"contiguous split of {plan.length} tokens (cp.shard_sizes({plan.length}, {n}))",
+                    "shard the sequence with cp.split_inputs_cp(x, seq_dim, cp_group, uneven=True)"))
+    if n > 1:
+        masked.agree(what, group, sched.fingerprint, [("q", q.shape[s])], plan.sizes, layout, fix,
+                     even=given is None and length is None)
+    elif q.shape[s] != plan.length:
+        raise ValueError(f"{what}: q holds {q.shape[s]} tokens (seq_dim {seq_dim}) but the {layout} is for "
+                         f"{plan.length}; without a group, pass the whole sequence")
+    return masked.attend(q, k, v, sched, group if n > 1 else None, s, h, scale)
 
 
 __all__ = ["ring_attention", "ring_attention_blocks"]

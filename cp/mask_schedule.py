@@ -1,0 +1,241 @@
+"""Which K/V each rank of a masked attention needs, who sends it, and the tiles each rank computes.
+
+Pure bookkeeping from a mask and a token layout (the global positions each group rank holds, in its
+order); no communication. Built once per (layout, mask, rank) and cached.
+
+Every mask kind lets a query at position p see exactly the keys lo(p) <= j < hi(p)
+(``mask.key_range``). Hence, with a block's keys sorted by position, each query sees one contiguous
+run of the block's columns, and everything below is interval arithmetic:
+
+- Rank d needs key j iff j lies in some interval of d's queries (a difference array over the
+  sequence gives this cover in O(length)). Rank s sends rank d only the tokens of s that d's cover
+  holds, in ascending position; none at all when d's cover holds none of them.
+- A received block is computed as tiles of query rows x a column range: a run of at least
+  ``full_rows`` consecutive queries (in position order) with the same column interval is a fully
+  allowed tile, computed without a mask; shorter runs are grouped, up to ``tile_rows`` rows, into a
+  tile over the union of their columns, with a mask built from the intervals. Queries that see none
+  of the block's keys are in no tile.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+#: A run of at least this many queries with one key interval is a tile of its own, computed without a mask.
+FULL_ROWS = 16
+#: Shorter runs are grouped into masked tiles of at most about this many queries.
+TILE_ROWS = 128
+#: Schedules kept (each holds index tensors of about one rank's length).
+CACHE_SIZE = 32
+
+Rows = Any  # a slice of local query rows, or a LongTensor of them
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Queries ``rows`` (local indices) x the block's columns [c0, c1); lo/hi: each row's interval relative
+    to c0 (None when every pair of the tile is allowed)."""
+
+    rows: Rows
+    c0: int
+    c1: int
+    lo: torch.Tensor | None
+    hi: torch.Tensor | None
+    allowed: int  # allowed (query, key) pairs in the tile
+
+    @property
+    def num_rows(self) -> int:
+        r = self.rows
+        return r.stop - r.start if isinstance(r, slice) else r.numel()
+
+    def masked_out(self, device: torch.device) -> torch.Tensor | None:
+        """Bool [rows, c1 - c0], True where the query must not see the key; None for a fully allowed tile."""
+        if self.lo is None:
+            return None
+        cols = torch.arange(self.c1 - self.c0, device=device)
+        lo, hi = self.lo.to(device), self.hi.to(device)  # type: ignore[union-attr]
+        return (cols < lo[:, None]) | (cols >= hi[:, None])
+
+
+@dataclass(frozen=True)
+class Block:
+    """The K/V block this rank computes at one step: ``size`` tokens of group rank ``source`` (ascending
+    positions), ``index`` the source's local indices of them (None: all of its tokens, in its order)."""
+
+    source: int
+    size: int
+    index: torch.Tensor | None
+    tiles: tuple[Tile, ...]
+
+    @property
+    def allowed(self) -> int:
+        return sum(t.allowed for t in self.tiles)
+
+
+@dataclass(frozen=True)
+class Send:
+    """What this rank sends group rank ``dest`` at one step: ``size`` of its tokens, ``index`` (None: all)."""
+
+    dest: int
+    size: int
+    index: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One rank's part of a masked attention over n ranks: step t computes blocks[t] (from group rank
+    rank - t; None when no query of this rank sees its tokens) and sends sends[t] (to rank + t)."""
+
+    rank: int
+    n: int
+    local: int                          # tokens this rank holds
+    sizes: tuple[int, ...]              # every rank's token count
+    blocks: tuple[Block | None, ...]
+    sends: tuple[Send | None, ...]      # sends[0] is None (a rank's own block is no transfer)
+    fingerprint: int                    # the same on every rank for the same mask and layout
+
+    @property
+    def allowed(self) -> int:
+        """Allowed (query, key) pairs of this rank's queries over all blocks."""
+        return sum(b.allowed for b in self.blocks if b is not None)
+
+
+def fingerprint(mask: Any, length: int, positions: Sequence[Sequence[int]]) -> int:
+    """A checksum of mask, length and layout that is the same in every process (Python's hash is salted)."""
+    crc = zlib.crc32(repr((mask, length, tuple(len(p) for p in positions))).encode())
+    for p in positions:
+        crc = zlib.crc32(torch.as_tensor(p, dtype=torch.int64).numpy().tobytes(), crc)
+    return crc
+
+
+def _as_rows(index: torch.Tensor) -> Rows:
+    """A slice when the local rows are consecutive and ascending (a view, no copy), else the index."""
+    first, count = int(index[0]), index.numel()
+    if int(index[-1]) - first == count - 1 and (count == 1 or bool((index.diff() == 1).all())):
+        return slice(first, first + count)
+    return index
+
+
+def _tiles(rows: torch.Tensor, clo: torch.Tensor, chi: torch.Tensor, full_rows: int, tile_rows: int) -> tuple[Tile, ...]:
+    """Tiles over queries ``rows`` (in position order, each seeing at least one column) with column intervals."""
+    if rows.numel() == 0:
+        return ()
+    change = (clo[1:] != clo[:-1]) | (chi[1:] != chi[:-1])
+    starts = [0] + (torch.nonzero(change).flatten() + 1).tolist()
+    ends = starts[1:] + [rows.numel()]
+
+    def make(a: int, b: int) -> Tile:
+        lo, hi = clo[a:b], chi[a:b]
+        c0, c1 = int(lo.min()), int(hi.max())
+        allowed = int((hi - lo).sum())
+        full = allowed == (b - a) * (c1 - c0)
+        return Tile(_as_rows(rows[a:b]), c0, c1, None if full else lo - c0, None if full else hi - c0, allowed)
+
+    tiles: list[Tile] = []
+    pending: int | None = None  # first entry of the masked tile being gathered
+    for a, b in zip(starts, ends, strict=True):
+        if b - a >= full_rows:
+            if pending is not None:
+                tiles.append(make(pending, a))
+                pending = None
+            tiles.append(make(a, b))
+            continue
+        if pending is None:
+            pending = a
+        if b - pending >= tile_rows:
+            tiles.append(make(pending, b))
+            pending = None
+    if pending is not None:
+        tiles.append(make(pending, rows.numel()))
+    return tuple(tiles)
+
+
+def build(mask: Any, length: int, positions: Sequence[Sequence[int]], rank: int) -> Schedule:
+    """Group rank ``rank``'s schedule for ``mask`` over a sequence of ``length`` tokens laid out as ``positions``
+    (group rank i holds the global tokens positions[i], in that order), tiled by FULL_ROWS and TILE_ROWS."""
+    full_rows, tile_rows = FULL_ROWS, TILE_ROWS
+    n = len(positions)
+    pos = [torch.as_tensor(p, dtype=torch.int64) for p in positions]
+    lo_all, hi_all = mask.key_range(torch.cat(pos), length)
+    bounds = [0]
+    for p in pos:
+        bounds.append(bounds[-1] + p.numel())
+    lo = [lo_all[bounds[i]:bounds[i + 1]] for i in range(n)]
+    hi = [hi_all[bounds[i]:bounds[i + 1]] for i in range(n)]
+    order = [torch.argsort(p) for p in pos]
+    spos = [p[o] for p, o in zip(pos, order, strict=True)]
+    in_order = [bool((o == torch.arange(o.numel())).all()) for o in order]
+
+    def cover(d: int) -> torch.Tensor:
+        """Bool [length]: the keys some query of rank d may see."""
+        diff = torch.zeros(length + 1, dtype=torch.int64)
+        ones = torch.ones_like(lo[d])
+        diff.index_add_(0, lo[d], ones).index_add_(0, hi[d], -ones)
+        return diff.cumsum(0)[:length] > 0
+
+    mine = cover(rank)
+    row_lo, row_hi = lo[rank][order[rank]], hi[rank][order[rank]]
+    blocks: list[Block | None] = []
+    sends: list[Send | None] = [None]
+    for t in range(n):
+        s = (rank - t) % n
+        sel = mine[spos[s]]
+        keys = spos[s][sel]
+        if keys.numel() == 0:
+            blocks.append(None)
+        else:
+            clo, chi = torch.searchsorted(keys, row_lo), torch.searchsorted(keys, row_hi)
+            seen = chi > clo
+            tiles = _tiles(order[rank][seen], clo[seen], chi[seen], full_rows, tile_rows)
+            index = None if bool(sel.all()) and in_order[s] else order[s][sel]
+            blocks.append(Block(s, keys.numel(), index, tiles))
+        if t:
+            d = (rank + t) % n
+            sel = cover(d)[spos[rank]]
+            count = int(sel.sum())
+            sends.append(None if count == 0 else
+                         Send(d, count, None if count == pos[rank].numel() and in_order[rank] else order[rank][sel]))
+    return Schedule(rank, n, pos[rank].numel(), tuple(p.numel() for p in pos), tuple(blocks), tuple(sends),
+                    fingerprint(mask, length, positions))
+
+
+_cache: OrderedDict[Any, Schedule] = OrderedDict()
+#: id(owner) -> (owner, {params: schedule}): a plan passed on every step is found without hashing it.
+_by_id: dict[int, tuple[Any, dict[Any, Schedule]]] = {}
+
+
+def cached(owner: Any, params: Any, make: Callable[[], Schedule]) -> Schedule:
+    """The schedule for (``owner``, ``params``), which must determine it, built by ``make`` on the first call.
+
+    ``owner`` is a value (a plan, equal by value): looked up by identity first, then by value, so
+    the same plan object costs no hashing of its positions per call and an equal one no rebuild.
+    """
+    params = (params, FULL_ROWS, TILE_ROWS)
+    entry = _by_id.get(id(owner))
+    if entry is not None and entry[0] is owner and params in entry[1]:
+        return entry[1][params]
+    key = (owner, params)
+    sched = _cache.get(key)
+    if sched is None:
+        sched = _cache[key] = make()
+        while len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
+    else:
+        _cache.move_to_end(key)
+    if entry is None or entry[0] is not owner:
+        if len(_by_id) >= CACHE_SIZE:
+            _by_id.clear()
+        entry = _by_id[id(owner)] = (owner, {})  # holds the owner, so its id is not reused while listed
+    entry[1][params] = sched
+    return sched
+
+
+def clear() -> None:
+    """Forget every cached schedule."""
+    _cache.clear()
+    _by_id.clear()
