@@ -4,8 +4,9 @@ Mirrors ``megatron.core.parallel_state`` 0.16: every public name, its arguments,
 answers and rank layout. The names are re-exported here from five layers, each importing only
 those below it (``lint-imports`` checks it; see docs/architecture.md): ``topology`` (pure
 arithmetic: the plan of every group kind, ``RankGenerator``, the latent split, the
-context-parallel planner), ``groups`` (creating, checking, caching and destroying torch process
-groups; the table of kinds; the live state), ``megatron`` (``initialize_model_parallel``,
+context-parallel planner, attention masks and the balanced dispatch plan), ``groups``
+(creating, checking, caching and destroying torch process groups; the table of kinds; the live
+state), ``megatron`` (``initialize_model_parallel``,
 precomputed answers and megatron-core's accessors, its private globals, the bridge, memory
 buffers, ``find_split`` / ``cp_size_t``), ``runtime`` (``dist_init``, launchers,
 ``DistributedManager``, the resolvers, DeviceMesh views, logging) and ``tools``
@@ -138,7 +139,9 @@ from parallel_state.runtime.log import print_per_rank, print_rank_0  # noqa: F40
 from parallel_state.runtime.manager import DistributedManager  # noqa: F401
 from parallel_state.runtime.mesh import device_mesh, fsdp_mesh  # noqa: F401
 from parallel_state.runtime.resolve import collective_device, resolve_global_rank, resolve_world_size  # noqa: F401
+from parallel_state.topology.attention_mask import AttentionMask  # noqa: F401
 from parallel_state.topology.cp_plan import ContextParallelPlan, plan_context_parallel, shard_sizes  # noqa: F401
+from parallel_state.topology.dispatch_plan import DispatchPlan, plan_dispatch  # noqa: F401
 from parallel_state.topology.plan import (  # noqa: F401
     DEFAULT_ORDER,
     TopologyPlan,
