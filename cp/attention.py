@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from cp import debug
 from cp.comm import all_gather_into, check_group, global_ranks, meta_device
-from cp.layout import _check_dims, _check_length, sdpa_in_layout
+from cp.layout import _check_dims, _check_length, _scale, sdpa_in_layout
 from cp.shard import check_tensor, shard_sizes
 
 AttnFn = Callable[..., torch.Tensor]
@@ -240,7 +240,7 @@ def heads_to_seq(x: torch.Tensor, seq_dim: int, head_dim: int, cp_group: Any = N
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: Any = None, *,
                       attn_fn: AttnFn | None = None, seq_dim: int = 1, head_dim: int = 2, length: int | None = None,
-                      **attn_kwargs: Any) -> torch.Tensor:
+                      mask: Any = None, plan: Any = None, **attn_kwargs: Any) -> torch.Tensor:
     """Attention over the whole sequence for sequence-sharded q, k and v (default layout [B, S, H, D]).
 
     q, k and v move to head shards in one all-to-all; ``attn_fn(q, k, v, **attn_kwargs)`` (default:
@@ -254,6 +254,13 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
     ``length``: the whole sequence's length, for uneven shards: rank i holds ``shard_sizes(length, n)[i]``
     tokens of q (K and V: the ``shard_sizes`` of their own total). One small all-gather checks every
     rank's sizes first, so a wrong shard raises on every rank. ``None``: equal shards, no extra collective.
+
+    ``mask`` (a ``cp.Mask``) and/or ``plan`` (a ``cp.DispatchPlan`` for this group): masked attention.
+    With a plan, this rank holds the tokens ``plan.positions[rank]`` (what ``cp.dispatch`` gives it),
+    so after the exchange a rank holds every token in the plan's order; the built-in masked
+    attention (no ``attn_fn``; of the keyword arguments only ``scale``) then attends each tile of
+    queries, taken in global order, to its key interval only. With a mask alone, the contiguous split.
+    One small all-gather first checks every rank's token counts and plan.
     """
     what = "ulysses_attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -270,13 +277,17 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
     s, h = dims[0]
     if length is not None:
         length = _check_length(what, length, n)
-    if attn_fn is None:
+    masked = mask is not None or plan is not None
+    if attn_fn is None and not masked:
         if q.dim() < 3:
             raise ValueError(f"{what}: the default attention needs at least 3 dims (sequence, heads, features); q "
                              f"has shape {tuple(q.shape)}: add a feature dim or pass attn_fn")
         attn_fn = _default_attn(s, h)
     _check_split(what, q, "q", h, "head_dim", head_dim, n, "number of heads")
     repeats = [_kv_repeats(what, q, t, name, h, n) for name, t in (("k", k), ("v", v))]
+    if masked:
+        return _masked(what, q, k, v, cp_group, n, s, h, repeats, attn_fn, mask, plan, length, attn_kwargs)
+    assert attn_fn is not None
     if n == 1:
         if length is not None and q.shape[s] != length:
             raise ValueError(f"{what}: q has {q.shape[s]} tokens along seq_dim={seq_dim} but length={length}; "
@@ -285,23 +296,81 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
     if debug.enabled() and length is None:
         for name, t in (("q", q), ("k", k), ("v", v)):
             debug.check_same(f"{what} {name}", t, cp_group)
+    seqs = None
+    if length is not None:
+        seqs = _agreed_sizes(what, cp_group, length, [("q", q.shape[s]), ("k", k.shape[s]), ("v", v.shape[s])])
+
+    def attn(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
+        out = attn_fn(qh, kh, vh, **attn_kwargs)
+        if not isinstance(out, torch.Tensor) or out.dim() != q.dim() or out.shape[s] != qh.shape[s]:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"{what}: attn_fn returned {got} for q of shape {tuple(qh.shape)}; it must return a "
+                             f"tensor in q's layout (seq_dim={seq_dim}, head_dim={head_dim})")
+        return out
+
+    return _across_heads(q, k, v, cp_group, s, h, repeats, seqs, attn)
+
+
+def _across_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, s: int, h: int,
+                  repeats: Sequence[int], seqs: Sequence[Sequence[int]] | None, attn: Callable[..., torch.Tensor]
+                  ) -> torch.Tensor:
+    """Ulysses' exchange around ``attn``: K/V heads replicated ``repeats`` times (GQA), q, k, v to head shards in
+    one all-to-all (``seqs``: each tensor's per-rank sequence sizes, None for equal ones), ``attn(qh, kh, vh)`` on
+    the whole sequence, and the output back to this rank's sequence shard with all heads."""
+    n = group.size()
     # GQA/MQA: head e of the replicated K/V is head e // r of the original, so q head i still meets
     # K/V head i // (q heads / kv heads); repeat_interleave's backward sums the copies' gradients.
     k, v = (t.repeat_interleave(r, dim=h) if r > 1 else t for t, r in zip((k, v), repeats, strict=True))
-    if length is None:
-        qh, kh, vh = _AllToAll.apply((h, h, h), (s, s, s), cp_group, None, q, k, v)
+    if seqs is None:
+        qh, kh, vh = _AllToAll.apply((h, h, h), (s, s, s), group, None, q, k, v)
     else:
-        seqs = _agreed_sizes(what, cp_group, length, [("q", q.shape[s]), ("k", k.shape[s]), ("v", v.shape[s])])
         heads = [(t.shape[h] // n,) * n for t in (q, k, v)]
-        qh, kh, vh = _AllToAll.apply((h, h, h), (s, s, s), cp_group, (heads, seqs), q, k, v)
-    out = attn_fn(qh, kh, vh, **attn_kwargs)
-    if not isinstance(out, torch.Tensor) or out.dim() != q.dim() or out.shape[s] != qh.shape[s]:
-        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"{what}: attn_fn returned {got} for q of shape {tuple(qh.shape)}; it must return a "
-                         f"tensor in q's layout (seq_dim={seq_dim}, head_dim={head_dim})")
-    if length is None:
-        return _AllToAll.apply((s,), (h,), cp_group, None, out)[0]
-    return _AllToAll.apply((s,), (h,), cp_group, ((seqs[0],), ((out.shape[h],) * n,)), out)[0]
+        qh, kh, vh = _AllToAll.apply((h, h, h), (s, s, s), group, (heads, seqs), q, k, v)
+    out = attn(qh, kh, vh)
+    if seqs is None:
+        return _AllToAll.apply((s,), (h,), group, None, out)[0]
+    return _AllToAll.apply((s,), (h,), group, ((seqs[0],), ((out.shape[h],) * n,)), out)[0]
+
+
+#: Of SDPA's keyword arguments, those the masked path takes (GQA needs no flag there).
+_MASKED_KWARGS = ("scale", "enable_gqa")
+
+
+def _masked(what: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, n: int, s: int, h: int,
+            repeats: Sequence[int], attn_fn: Any, mask: Any, plan: Any, length: int | None,
+            attn_kwargs: dict[str, Any]) -> torch.Tensor:
+    """ulysses_attention with ``mask`` / ``plan``: the exchange around cp.masked's attention on the whole sequence."""
+    from cp import masked
+
+    if attn_fn is not None:
+        raise ValueError(f"{what}: attn_fn cannot be combined with mask= or plan= (the masked attention is built in); "
+                         f"leave attn_fn out, or apply your mask inside attn_fn without mask=/plan=")
+    extra = sorted(set(attn_kwargs) - set(_MASKED_KWARGS))
+    if extra:
+        hint = "; for a causal mask pass mask=cp.Mask.causal()" if "is_causal" in extra else ""
+        raise ValueError(f"{what}: with mask= or plan= only {list(_MASKED_KWARGS)} of SDPA's keyword arguments "
+                         f"apply, got {extra}{hint}")
+    if q.dim() < 3:
+        raise ValueError(f"{what}: masked attention needs at least 3 dims (sequence, heads, features); q has shape "
+                         f"{tuple(q.shape)}")
+    scale = _scale(what, attn_kwargs.get("scale"), q.movedim((h, s), (-3, -2)).shape[-1])
+    given = plan
+    plan = masked.resolve(what, mask, plan, False, n, q.shape[s], length)
+    whole = masked.schedule(plan, "whole", lambda: (tuple(p for mine in plan.positions for p in mine),), 0)
+
+    def attn(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
+        return masked.attend(qh, kh, vh, whole, None, s, h, scale)
+
+    if n == 1:
+        if q.shape[s] != plan.length:
+            raise ValueError(f"{what}: q holds {q.shape[s]} tokens but the mask's sequence has {plan.length}; in a "
+                             f"group of one the shard is the whole sequence")
+        return attn(q, k, v)
+    named = [("q", q.shape[s]), ("k", k.shape[s]), ("v", v.shape[s])]
+    masked.agree(what, group, whole.fingerprint, named, plan.sizes, *masked.layout_words(given, plan, n),
+                 even=given is None and length is None)
+    seqs = None if len(set(plan.sizes)) == 1 else [plan.sizes] * 3
+    return _across_heads(q, k, v, group, s, h, repeats, seqs, attn)
 
 
 def _kv_repeats(what: str, q: torch.Tensor, t: torch.Tensor, name: str, h: int, n: int) -> int:

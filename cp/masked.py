@@ -20,7 +20,6 @@ in any order: Ulysses uses it on the whole sequence it holds after its all-to-al
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Sequence
 
@@ -72,14 +71,18 @@ def resolve(what: str, mask: Any, plan: Any, causal: Any, n: int, local: int, le
                              f"(the plan knows it) or make the plan for {length} tokens")
         return plan
     total = n * local if length is None else length
-    mask.check_length(total)
-    return contiguous_plan(mask, total, n)
+    try:  # the plain contiguous split (plans are cached by plan_dispatch)
+        return ps.plan_dispatch(mask, total, n, method="contiguous")
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{what}: {exc}") from None
 
 
-@functools.lru_cache(maxsize=64)
-def contiguous_plan(mask: Any, length: int, n: int) -> Any:
-    """The plan of the plain contiguous split (``cp.shard_sizes``), used when attention gets a mask but no plan."""
-    return _ps().plan_dispatch(mask, length, n, method="contiguous")
+def layout_words(given: Any, plan: Any, n: int) -> tuple[str, str]:
+    """How errors name the layout and how to fix a wrong token count: a plan given, or the contiguous split."""
+    if given is not None:
+        return "plan", "give each rank the tokens cp.dispatch(x, plan, seq_dim, group) gives it"
+    return (f"contiguous split of {plan.length} tokens (cp.shard_sizes({plan.length}, {n}))",
+            "shard the sequence with cp.split_inputs_cp(x, seq_dim, group, uneven=True) and pass length=")
 
 
 def schedule(plan: Any, positions_key: Any, positions: Any, rank: int) -> Schedule:
@@ -113,6 +116,40 @@ def agree(what: str, group: Any, fingerprint: int, named: Sequence[tuple[str, in
            for i, row in enumerate(table) for c, (name, _) in enumerate(named, start=1) if row[c] != want[i]]
     if bad:
         raise ValueError(f"{what}: {'; '.join(bad)} (every rank's: {list(want)}); {fix}")
+
+
+def agree_usp(what: str, ulysses_group: Any, ring_group: Any, fingerprint: int, named: Sequence[tuple[str, int]],
+              plan: Any, fix: str, even: bool = False) -> None:
+    """``agree`` over the cp group that the Ulysses and ring groups span (cp rank = ring rank * u + ulysses rank),
+    with one small all-gather in each: the same ValueError on every rank for a wrong token count or plan."""
+    u, j = ulysses_group.size(), ring_group.rank()
+    device = meta_device(ulysses_group)
+    mine = torch.tensor([fingerprint] + [size for _, size in named], dtype=torch.int64, device=device)
+    rows = torch.empty(u * mine.numel(), dtype=torch.int64, device=device)
+    all_gather_into(rows, mine, ulysses_group)
+    table = rows.view(u, mine.numel()).tolist()
+    # This Ulysses group's summary: [checksum, checksums differ, wrong counts, first wrong (cp rank, tensor, count),
+    # fewest and most tokens of q].
+    wrong = [(j * u + a, c, row[c]) for a, row in enumerate(table) for c in range(1, len(row))
+             if row[c] != plan.sizes[j * u + a]]
+    first = wrong[0] if wrong else (-1, 0, 0)
+    counts = [row[1] for row in table]
+    summary = torch.tensor([fingerprint, len({row[0] for row in table}) > 1, len(wrong), *first, min(counts),
+                            max(counts)], dtype=torch.int64, device=device)
+    r = ring_group.size()
+    rows = torch.empty(r * summary.numel(), dtype=torch.int64, device=device)
+    all_gather_into(rows, summary, ring_group)
+    groups = rows.view(r, summary.numel()).tolist()
+    if even and min(g[6] for g in groups) != max(g[7] for g in groups):
+        raise ValueError(f"{what}: the cp ranks hold different numbers of tokens (from {min(g[6] for g in groups)} to "
+                         f"{max(g[7] for g in groups)}); for uneven shards pass length= (the whole sequence's) or a plan")
+    if any(g[1] for g in groups) or len({g[0] for g in groups}) > 1:
+        raise ValueError(f"{what}: the ranks passed different masks or plans; pass the same mask and plan on every "
+                         f"rank")
+    bad = [f"cp rank {g[3]} holds {g[5]} tokens of {named[g[4] - 1][0]}, the plan gives it {plan.sizes[g[3]]}"
+           + (f" ({g[2] - 1} more wrong in its Ulysses group)" if g[2] > 1 else "") for g in groups if g[2]]
+    if bad:
+        raise ValueError(f"{what}: {'; '.join(bad)} (every cp rank's: {list(plan.sizes)}); {fix}")
 
 
 # ----------------------------------------------------------------------------- the computation

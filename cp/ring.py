@@ -348,10 +348,7 @@ def _masked_ring(what: str, q: Any, k: Any, v: Any, group: Any, n: int, causal: 
     plan = masked.resolve(what, mask, plan, causal, n, q.shape[s], length)
     rank = 0 if group is None else group.rank()
     sched = masked.schedule(plan, "plan", lambda: plan.positions, rank)
-    layout, fix = (("plan", "give each rank the tokens cp.dispatch(x, plan, seq_dim, cp_group) gives it")
-                   if given is not None else
-                   (f"contiguous split of {plan.length} tokens (cp.shard_sizes({plan.length}, {n}))",
-                    "shard the sequence with cp.split_inputs_cp(x, seq_dim, cp_group, uneven=True)"))
+    layout, fix = masked.layout_words(given, plan, n)
     if n > 1:
         masked.agree(what, group, sched.fingerprint, [("q", q.shape[s])], plan.sizes, layout, fix,
                      even=given is None and length is None)

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from cp.attention import _check_dims, ulysses_attention
+from cp.attention import _across_heads, _check_dims, _check_split, _kv_repeats, ulysses_attention
 from cp.comm import check_group, global_ranks
-from cp.ring import ring_attention, ring_attention_blocks
+from cp.layout import _check_length, _scale
+from cp.ring import _check_qkv, ring_attention, ring_attention_blocks
 from cp.shard import check_tensor, shard_sizes
 
 
@@ -29,8 +30,8 @@ def _size(group: Any, name: str) -> int:
 
 
 def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_group: Any, ring_group: Any,
-                  causal: bool = False, length: int | None = None, seq_dim: int = 1, head_dim: int = 2,
-                  softmax_scale: float | None = None) -> torch.Tensor:
+                  causal: bool = False, mask: Any = None, plan: Any = None, length: int | None = None,
+                  seq_dim: int = 1, head_dim: int = 2, softmax_scale: float | None = None) -> torch.Tensor:
     """Attention over the whole sequence by Ulysses over ``ulysses_group`` and a ring over ``ring_group``.
 
     This rank holds the shard of cp rank ``ring rank * u + ulysses rank`` (u = the Ulysses group's
@@ -39,9 +40,17 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_
     q's and k's heads must divide by u (Ulysses splits them); the ring takes K/V with fewer heads
     than q (GQA). A group of None or of size one drops that method: ring or Ulysses alone, or plain
     attention when both are. ``causal`` masks by global position. Differentiable in q, k and v.
+
+    ``mask`` / ``plan`` (a ``cp.DispatchPlan`` for the u * r cp ranks): masked attention. With a plan,
+    cp rank i holds ``plan.positions[i]``; the Ulysses exchange gives each rank its ring rank's u
+    shards for 1/u of the heads, and the masked ring (``ring_attention(mask=...)``'s engine) runs over
+    the ring ranks' blocks in that order. With a mask alone, the contiguous split.
     """
     what = "usp_attention"
     u, r = _size(ulysses_group, "ulysses_group"), _size(ring_group, "ring_group")
+    if mask is not None or plan is not None:
+        return _masked_usp(q, k, v, ulysses_group, ring_group, u, r, causal, mask, plan, length, seq_dim, head_dim,
+                           softmax_scale)
     if u == 1:
         return ring_attention(q, k, v, None if r == 1 else ring_group, causal=causal, length=length,
                               seq_dim=seq_dim, head_dim=head_dim, softmax_scale=softmax_scale)
@@ -80,6 +89,50 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_
 
     return ulysses_attention(q, k, v, ulysses_group, attn_fn=ring_fn, seq_dim=seq_dim, head_dim=head_dim,
                              length=ulysses_length)
+
+
+def _masked_usp(q: Any, k: Any, v: Any, ulysses_group: Any, ring_group: Any, u: int, r: int, causal: Any, mask: Any,
+                plan: Any, length: Any, seq_dim: Any, head_dim: Any, softmax_scale: Any) -> torch.Tensor:
+    """usp_attention with ``mask`` / ``plan``: Ulysses' exchange around the masked ring over the ring ranks."""
+    from cp import masked
+
+    what = "usp_attention"
+    if u == 1:  # the masked ring alone, or plain masked attention
+        return ring_attention(q, k, v, None if r == 1 else ring_group, causal=causal, mask=mask, plan=plan,
+                              length=length, seq_dim=seq_dim, head_dim=head_dim, softmax_scale=softmax_scale)
+    if r == 1:
+        if causal:
+            masked.resolve(what, mask, plan, causal, u, 0, None)  # raises: causal=True with a mask
+        kwargs = {} if softmax_scale is None else {"scale": softmax_scale}
+        return ulysses_attention(q, k, v, ulysses_group, mask=mask, plan=plan, length=length, seq_dim=seq_dim,
+                                 head_dim=head_dim, **kwargs)
+    s, h, _ = _check_qkv(what, q, k, v, seq_dim, head_dim, u * r)
+    if not isinstance(causal, bool):
+        raise TypeError(f"{what}: causal must be a bool, got {type(causal).__name__} {causal!r}")
+    if length is not None:
+        _check_length(what, length, u * r)
+    scale = _scale(what, softmax_scale, q.movedim((h, s), (-3, -2)).shape[-1])
+    _check_split(what, q, "q", h, "head_dim", head_dim, u, "number of heads")
+    repeats = [_kv_repeats(what, q, t, name, h, u) for name, t in (("k", k), ("v", v))]
+    given = plan
+    plan = masked.resolve(what, mask, plan, causal, u * r, q.shape[s], length)
+    j = ring_group.rank()
+
+    def ring_positions() -> tuple[tuple[int, ...], ...]:
+        # Ring rank jj holds its u cp ranks' tokens one after another (Ulysses gathers in group-rank order).
+        return tuple(tuple(p for i in range(jj * u, jj * u + u) for p in plan.positions[i]) for jj in range(r))
+
+    sched = masked.schedule(plan, ("usp", u, r), ring_positions, j)
+    named = [("q", q.shape[s]), ("k", k.shape[s]), ("v", v.shape[s])]
+    masked.agree_usp(what, ulysses_group, ring_group, sched.fingerprint, named, plan,
+                     masked.layout_words(given, plan, u * r)[1], even=given is None and length is None)
+    block = plan.sizes[j * u:(j + 1) * u]
+    seqs = None if len(set(block)) == 1 else [block] * 3
+
+    def ring_fn(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
+        return masked.attend(qh, kh, vh, sched, ring_group, s, h, scale)
+
+    return _across_heads(q, k, v, ulysses_group, s, h, repeats, seqs, ring_fn)
 
 
 __all__ = ["usp_attention"]
