@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import hashlib
 import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -119,6 +120,12 @@ class DispatchPlan:
         out = torch.zeros(self.cp_size, self.cp_size, dtype=torch.int64)
         out.index_add_(0, rank, per_query)
         return tuple(tuple(row) for row in out.tolist())
+
+    def fingerprint(self) -> int:
+        """A 63-bit digest of the plan, the same in every process (``hash`` is salted per process): for checking
+        that every rank of a group holds the same plan."""
+        text = repr((str(self.mask), self.length, self.cp_size, self.method, self.runs))
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
     def describe(self) -> str:
         """One line: method, mask, balance and runs per rank."""
