@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from parallel_state.errors import ParallelStateTypeError, ParallelStateValueError
 from parallel_state.topology.attention_mask import AttentionMask
-from parallel_state.topology.cp_plan import shard_sizes
+from parallel_state.topology.shards import shard_sizes
 
 if TYPE_CHECKING:
     import torch
