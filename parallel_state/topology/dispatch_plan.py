@@ -62,6 +62,30 @@ class DispatchPlan:
     runs: tuple[Runs, ...]
     work: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        # Cheap consistency checks (O(runs)), so a hand-built plan cannot send tokens twice or lose some.
+        what = "DispatchPlan"
+        if not isinstance(self.mask, AttentionMask):
+            raise ParallelStateTypeError(f"{what}: mask must be an AttentionMask, got {type(self.mask).__name__}")
+        if self.method not in METHODS:
+            raise ParallelStateValueError(f"{what}: method={self.method!r} is not one of {METHODS}")
+        if not (len(self.runs) == len(self.work) == self.cp_size >= 1):
+            raise ParallelStateValueError(f"{what}: cp_size={self.cp_size} needs that many runs and work entries, got "
+                                          f"{len(self.runs)} and {len(self.work)}; build plans with plan_dispatch")
+        every = []
+        for rank, runs in enumerate(self.runs):
+            if not runs or any(not 0 <= a < b <= self.length for a, b in runs) or any(
+                    x[1] >= y[0] for x, y in zip(runs, runs[1:], strict=False)):
+                raise ParallelStateValueError(f"{what}: rank {rank}'s runs {runs} must be non-empty, ascending, "
+                                              f"separate (start, stop) pairs within [0, {self.length}); build plans "
+                                              f"with plan_dispatch")
+            every += runs
+        every.sort()
+        if every[0][0] != 0 or every[-1][1] != self.length or any(
+                x[1] != y[0] for x, y in zip(every, every[1:], strict=False)):
+            raise ParallelStateValueError(f"{what}: the ranks' runs must cover every token of [0, {self.length}) "
+                                          f"exactly once; build plans with plan_dispatch")
+
     @functools.cached_property
     def positions(self) -> tuple[tuple[int, ...], ...]:
         """Rank r holds global tokens ``positions[r]``, ascending; together a permutation of ``range(length)``."""
