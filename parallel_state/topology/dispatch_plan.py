@@ -30,12 +30,11 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
-import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from parallel_state.errors import ParallelStateTypeError, ParallelStateValueError
-from parallel_state.topology.attention_mask import AttentionMask
+from parallel_state.topology.attention_mask import AttentionMask, as_int
 from parallel_state.topology.shards import shard_sizes
 
 if TYPE_CHECKING:
@@ -159,8 +158,7 @@ class DispatchPlan:
                 f"work max/mean {self.balance:.4f}")
 
     def _rank(self, rank: Any) -> int:
-        if isinstance(rank, bool) or not isinstance(rank, int):
-            raise ParallelStateTypeError(f"DispatchPlan: rank must be an int, got {type(rank).__name__} {rank!r}")
+        rank = as_int("DispatchPlan", "rank", rank)
         if not 0 <= rank < self.cp_size:
             raise ParallelStateValueError(f"DispatchPlan: rank {rank} is out of range for a plan of cp_size "
                                           f"{self.cp_size} (0..{self.cp_size - 1})")
@@ -181,13 +179,7 @@ def plan_dispatch(mask: AttentionMask, length: int, cp_size: int, *, method: str
         raise ParallelStateTypeError(f"plan_dispatch: mask must be an AttentionMask (cp.Mask), got "
                                      f"{type(mask).__name__}; build one with AttentionMask.causal(), ...")
     length = mask.check_length(length)
-    if isinstance(cp_size, bool):
-        raise ParallelStateTypeError(f"plan_dispatch: cp_size must be an int, got {cp_size!r}")
-    try:
-        cp_size = operator.index(cp_size)
-    except TypeError:
-        raise ParallelStateTypeError(f"plan_dispatch: cp_size must be an int, got {type(cp_size).__name__} "
-                                     f"{cp_size!r}") from None
+    cp_size = as_int("plan_dispatch", "cp_size", cp_size)
     if not 1 <= cp_size <= length:
         raise ParallelStateValueError(f"plan_dispatch: cp_size={cp_size} must be between 1 and the length {length} "
                                       f"(every rank holds at least one token)")
