@@ -8,6 +8,7 @@ runs in one process and in many.
 from cp.attention import heads_to_seq, sdpa_in_layout, seq_to_heads, ulysses_attention
 from cp.broadcast import broadcast, broadcast_split_tensor, robust_broadcast
 from cp.counting import AttentionCount, count_attention
+from cp.dispatch import dispatch, undispatch
 from cp.objects import cat_outputs_cp_object_list, split_inputs_cp_object_list
 from cp.shard import cat_outputs_cp, cat_outputs_cp_with_grad, shard_sizes, split_inputs_cp
 from cp.workspace import release_gather_workspace
@@ -39,6 +40,7 @@ __all__ = [
     "cat_outputs_cp_object_list",
     "cat_outputs_cp_with_grad",
     "count_attention",
+    "dispatch",
     "heads_to_seq",
     "plan_dispatch",
     "release_gather_workspace",
@@ -50,5 +52,6 @@ __all__ = [
     "split_inputs_cp",
     "split_inputs_cp_object_list",
     "ulysses_attention",
+    "undispatch",
     "usp_attention",
 ]

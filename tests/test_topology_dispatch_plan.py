@@ -136,3 +136,18 @@ def test_bad_rank():
         plan.index(2)
     with pytest.raises(ps.ParallelStateTypeError, match="rank must be an int"):
         plan.index("0")
+
+
+def test_hand_built_plans_are_checked():
+    mask = Mask.causal()
+    good = plan_dispatch(mask, 8, 2)
+    assert ps.DispatchPlan(mask, 8, 2, "balanced", good.runs, good.work) == good
+    for runs, fragment in ((((0, 4),), "needs that many runs"), ((((0, 4),), ((3, 8),)), "cover every token"),
+                           ((((0, 4),), ((5, 8),)), "cover every token"), ((((0, 2), (2, 4)), ((4, 8),)), "separate"),
+                           ((((4, 0),), ((4, 8),)), "ascending"), (((), ((0, 8),)), "non-empty")):
+        with pytest.raises(ps.ParallelStateValueError, match=fragment):
+            ps.DispatchPlan(mask, 8, 2, "balanced", runs, (1,) * len(runs))
+    with pytest.raises(ps.ParallelStateValueError, match="method='zigzag'"):
+        ps.DispatchPlan(mask, 8, 2, "zigzag", good.runs, good.work)
+    with pytest.raises(ps.ParallelStateTypeError, match="mask must be an AttentionMask"):
+        ps.DispatchPlan("causal", 8, 2, "balanced", good.runs, good.work)

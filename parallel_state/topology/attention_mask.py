@@ -33,13 +33,18 @@ if TYPE_CHECKING:
 KINDS = ("full", "causal", "chunk_causal", "sliding_window", "packed")
 
 
-def _positive_int(what: str, name: str, value: Any) -> int:
+def as_int(what: str, name: str, value: Any) -> int:
+    """``value`` as an int (anything with ``__index__`` but a bool); ParallelStateTypeError naming it otherwise."""
     if isinstance(value, bool):
         raise ParallelStateTypeError(f"{what}: {name} must be an int, got {value!r}")
     try:
-        value = operator.index(value)
+        return operator.index(value)
     except TypeError:
         raise ParallelStateTypeError(f"{what}: {name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def _positive_int(what: str, name: str, value: Any) -> int:
+    value = as_int(what, name, value)
     if value < 1:
         raise ParallelStateValueError(f"{what}: {name} must be >= 1, got {value}")
     return value
@@ -192,13 +197,7 @@ class AttentionMask:
     def check_length(self, length: int) -> int:
         """``length`` as an int after checking it is >= 1 and, for packed masks, the segments' sum."""
         what = f"AttentionMask {self}"
-        if isinstance(length, bool):
-            raise ParallelStateTypeError(f"{what}: length must be an int, got {length!r}")
-        try:
-            length = operator.index(length)
-        except TypeError:
-            raise ParallelStateTypeError(f"{what}: length must be an int, got {type(length).__name__} "
-                                         f"{length!r}") from None
+        length = as_int(what, "length", length)
         if length < 1:
             raise ParallelStateValueError(f"{what}: length must be >= 1 (the sequence's token count), got {length}")
         if self.lengths is not None and sum(self.lengths) != length:

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import bisect
 import functools
-import operator
+import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from parallel_state.errors import ParallelStateTypeError, ParallelStateValueError
-from parallel_state.topology.attention_mask import AttentionMask
-from parallel_state.topology.cp_plan import shard_sizes
+from parallel_state.topology.attention_mask import AttentionMask, as_int
+from parallel_state.topology.shards import shard_sizes
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +60,30 @@ class DispatchPlan:
     method: str
     runs: tuple[Runs, ...]
     work: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        # Cheap consistency checks (O(runs)), so a hand-built plan cannot send tokens twice or lose some.
+        what = "DispatchPlan"
+        if not isinstance(self.mask, AttentionMask):
+            raise ParallelStateTypeError(f"{what}: mask must be an AttentionMask, got {type(self.mask).__name__}")
+        if self.method not in METHODS:
+            raise ParallelStateValueError(f"{what}: method={self.method!r} is not one of {METHODS}")
+        if not (len(self.runs) == len(self.work) == self.cp_size >= 1):
+            raise ParallelStateValueError(f"{what}: cp_size={self.cp_size} needs that many runs and work entries, got "
+                                          f"{len(self.runs)} and {len(self.work)}; build plans with plan_dispatch")
+        every = []
+        for rank, runs in enumerate(self.runs):
+            if not runs or any(not 0 <= a < b <= self.length for a, b in runs) or any(
+                    x[1] >= y[0] for x, y in zip(runs, runs[1:], strict=False)):
+                raise ParallelStateValueError(f"{what}: rank {rank}'s runs {runs} must be non-empty, ascending, "
+                                              f"separate (start, stop) pairs within [0, {self.length}); build plans "
+                                              f"with plan_dispatch")
+            every += runs
+        every.sort()
+        if every[0][0] != 0 or every[-1][1] != self.length or any(
+                x[1] != y[0] for x, y in zip(every, every[1:], strict=False)):
+            raise ParallelStateValueError(f"{what}: the ranks' runs must cover every token of [0, {self.length}) "
+                                          f"exactly once; build plans with plan_dispatch")
 
     @functools.cached_property
     def positions(self) -> tuple[tuple[int, ...], ...]:
@@ -120,6 +144,12 @@ class DispatchPlan:
         out.index_add_(0, rank, per_query)
         return tuple(tuple(row) for row in out.tolist())
 
+    def fingerprint(self) -> int:
+        """A 63-bit digest of the plan, the same in every process (``hash`` is salted per process): for checking
+        that every rank of a group holds the same plan."""
+        text = repr((str(self.mask), self.length, self.cp_size, self.method, self.runs))
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
+
     def describe(self) -> str:
         """One line: method, mask, balance and runs per rank."""
         most = max(len(r) for r in self.runs)
@@ -128,8 +158,7 @@ class DispatchPlan:
                 f"work max/mean {self.balance:.4f}")
 
     def _rank(self, rank: Any) -> int:
-        if isinstance(rank, bool) or not isinstance(rank, int):
-            raise ParallelStateTypeError(f"DispatchPlan: rank must be an int, got {type(rank).__name__} {rank!r}")
+        rank = as_int("DispatchPlan", "rank", rank)
         if not 0 <= rank < self.cp_size:
             raise ParallelStateValueError(f"DispatchPlan: rank {rank} is out of range for a plan of cp_size "
                                           f"{self.cp_size} (0..{self.cp_size - 1})")
@@ -150,13 +179,7 @@ def plan_dispatch(mask: AttentionMask, length: int, cp_size: int, *, method: str
         raise ParallelStateTypeError(f"plan_dispatch: mask must be an AttentionMask (cp.Mask), got "
                                      f"{type(mask).__name__}; build one with AttentionMask.causal(), ...")
     length = mask.check_length(length)
-    if isinstance(cp_size, bool):
-        raise ParallelStateTypeError(f"plan_dispatch: cp_size must be an int, got {cp_size!r}")
-    try:
-        cp_size = operator.index(cp_size)
-    except TypeError:
-        raise ParallelStateTypeError(f"plan_dispatch: cp_size must be an int, got {type(cp_size).__name__} "
-                                     f"{cp_size!r}") from None
+    cp_size = as_int("plan_dispatch", "cp_size", cp_size)
     if not 1 <= cp_size <= length:
         raise ParallelStateValueError(f"plan_dispatch: cp_size={cp_size} must be between 1 and the length {length} "
                                       f"(every rank holds at least one token)")
