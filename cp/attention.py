@@ -367,7 +367,7 @@ def _masked(what: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
                              f"group of one the shard is the whole sequence")
         return attn(q, k, v)
     named = [("q", q.shape[s]), ("k", k.shape[s]), ("v", v.shape[s])]
-    masked.agree(what, group, whole.fingerprint, named, plan.sizes, *masked.layout_words(given, plan, n),
+    masked.agree(what, group, plan, named, *masked.layout_words(given, plan, n),
                  even=given is None and length is None)
     seqs = None if len(set(plan.sizes)) == 1 else [plan.sizes] * 3
     return _across_heads(q, k, v, group, s, h, repeats, seqs, attn)

@@ -19,7 +19,6 @@ run of the block's columns, and everything below is interval arithmetic:
 
 from __future__ import annotations
 
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -97,20 +96,11 @@ class Schedule:
     sizes: tuple[int, ...]              # every rank's token count
     blocks: tuple[Block | None, ...]
     sends: tuple[Send | None, ...]      # sends[0] is None (a rank's own block is no transfer)
-    fingerprint: int                    # the same on every rank for the same mask and layout
 
     @property
     def allowed(self) -> int:
         """Allowed (query, key) pairs of this rank's queries over all blocks."""
         return sum(b.allowed for b in self.blocks if b is not None)
-
-
-def fingerprint(mask: Any, length: int, positions: Sequence[Sequence[int]]) -> int:
-    """A checksum of mask, length and layout that is the same in every process (Python's hash is salted)."""
-    crc = zlib.crc32(repr((mask, length, tuple(len(p) for p in positions))).encode())
-    for p in positions:
-        crc = zlib.crc32(torch.as_tensor(p, dtype=torch.int64).numpy().tobytes(), crc)
-    return crc
 
 
 def _as_rows(index: torch.Tensor) -> Rows:
@@ -200,8 +190,7 @@ def build(mask: Any, length: int, positions: Sequence[Sequence[int]], rank: int)
             count = int(sel.sum())
             sends.append(None if count == 0 else
                          Send(d, count, None if count == pos[rank].numel() and in_order[rank] else order[rank][sel]))
-    return Schedule(rank, n, pos[rank].numel(), tuple(p.numel() for p in pos), tuple(blocks), tuple(sends),
-                    fingerprint(mask, length, positions))
+    return Schedule(rank, n, pos[rank].numel(), tuple(p.numel() for p in pos), tuple(blocks), tuple(sends))
 
 
 _cache: OrderedDict[Any, Schedule] = OrderedDict()

@@ -92,15 +92,16 @@ def schedule(plan: Any, positions_key: Any, positions: Any, rank: int) -> Schedu
         plan.mask, plan.length, positions(), rank))
 
 
-def agree(what: str, group: Any, fingerprint: int, named: Sequence[tuple[str, int]], want: Sequence[int],
-          layout: str, fix: str, even: bool = False) -> None:
-    """One small all-gather: raise the same ValueError on every rank unless every rank passed the same mask and
-    plan (``fingerprint``) and holds ``want[i]`` tokens in each of ``named`` (name, this rank's count).
+def agree(what: str, group: Any, plan: Any, named: Sequence[tuple[str, int]], layout: str, fix: str,
+          even: bool = False) -> None:
+    """One small all-gather: raise the same ValueError on every rank unless every rank passed the same ``plan``
+    and group rank i holds ``plan.sizes[i]`` tokens in each of ``named`` (name, this rank's count).
 
     ``even``: no plan and no length were given, so every rank must hold the same number of tokens.
     """
-    n = group.size()
-    mine = torch.tensor([fingerprint] + [size for _, size in named], dtype=torch.int64, device=meta_device(group))
+    n, want = group.size(), plan.sizes
+    mine = torch.tensor([plan.fingerprint()] + [size for _, size in named], dtype=torch.int64,
+                        device=meta_device(group))
     rows = torch.empty(n * mine.numel(), dtype=torch.int64, device=mine.device)
     all_gather_into(rows, mine, group)
     table = rows.view(n, mine.numel()).tolist()
@@ -118,11 +119,11 @@ def agree(what: str, group: Any, fingerprint: int, named: Sequence[tuple[str, in
         raise ValueError(f"{what}: {'; '.join(bad)} (every rank's: {list(want)}); {fix}")
 
 
-def agree_usp(what: str, ulysses_group: Any, ring_group: Any, fingerprint: int, named: Sequence[tuple[str, int]],
-              plan: Any, fix: str, even: bool = False) -> None:
+def agree_usp(what: str, ulysses_group: Any, ring_group: Any, plan: Any, named: Sequence[tuple[str, int]], fix: str,
+              even: bool = False) -> None:
     """``agree`` over the cp group that the Ulysses and ring groups span (cp rank = ring rank * u + ulysses rank),
     with one small all-gather in each: the same ValueError on every rank for a wrong token count or plan."""
-    u, j = ulysses_group.size(), ring_group.rank()
+    u, j, fingerprint = ulysses_group.size(), ring_group.rank(), plan.fingerprint()
     device = meta_device(ulysses_group)
     mine = torch.tensor([fingerprint] + [size for _, size in named], dtype=torch.int64, device=device)
     rows = torch.empty(u * mine.numel(), dtype=torch.int64, device=device)

@@ -350,7 +350,7 @@ def _masked_ring(what: str, q: Any, k: Any, v: Any, group: Any, n: int, causal: 
     sched = masked.schedule(plan, "plan", lambda: plan.positions, rank)
     layout, fix = masked.layout_words(given, plan, n)
     if n > 1:
-        masked.agree(what, group, sched.fingerprint, [("q", q.shape[s])], plan.sizes, layout, fix,
+        masked.agree(what, group, plan, [("q", q.shape[s])], layout, fix,
                      even=given is None and length is None)
     elif q.shape[s] != plan.length:
         raise ValueError(f"{what}: q holds {q.shape[s]} tokens (seq_dim {seq_dim}) but the {layout} is for "
