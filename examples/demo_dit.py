@@ -9,6 +9,11 @@ each token carries its own rotary position, so a rank's tokens may stay in its s
 while the one-process run uses the whole grid's. A learned register token (no position: the identity
 rotation) goes first in the sequence, so cp rank 0 holds one token more than the others and the
 token count is odd: the shards are uneven, as ``cp.shard_sizes`` cuts them.
+
+The autoregressive variant (a ``cp.Mask`` such as chunk-causal over frames) has no register token:
+every rank holds the tokens a balanced ``cp.DispatchPlan`` gives it (``cp.dispatch``; the rotary
+angles follow them through ``plan.index``) and attends under the mask (``usp(..., plan=plan)``);
+the one-process reference attends under the mask's dense matrix.
 """
 
 from __future__ import annotations
@@ -125,9 +130,14 @@ attention_seconds = [0.0]
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def usp(ulysses_group: Any, ring_group: Any, length: int | None) -> Attention:
-    """Attention over the whole sequence of ``length`` tokens for [B, S, H, D] shards: ``cp.usp_attention``."""
+def usp(ulysses_group: Any, ring_group: Any, length: int | None, plan: Any = None) -> Attention:
+    """Attention over the whole sequence of ``length`` tokens for [B, S, H, D] shards: ``cp.usp_attention``.
+
+    With ``plan`` (a ``cp.DispatchPlan``): this rank holds the plan's tokens and attends under its mask.
+    """
     def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if plan is not None:
+            return cp.usp_attention(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, plan=plan)
         return cp.usp_attention(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, length=length)
 
     return attn
@@ -136,6 +146,17 @@ def usp(ulysses_group: Any, ring_group: Any, length: int | None) -> Attention:
 def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """One process: both groups of one."""
     return cp.usp_attention(q, k, v, ulysses_group=None, ring_group=None)
+
+
+def dense_masked_attention(mask: Any, length: int) -> Attention:
+    """One process under ``mask`` (a ``cp.Mask``): SDPA with the whole bool [length, length] matrix, the reference
+    the masked context-parallel attention is checked against (the demo's sequences are a few thousand tokens)."""
+    dense = mask.dense(length)
+
+    def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return cp.sdpa_in_layout(q, k, v, attn_mask=dense)
+
+    return attn
 
 
 def register_rope(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -90,17 +90,25 @@ def token_grid(shape: Sequence[int], patch: Sequence[int]) -> tuple[int, int, in
 
 
 @functools.cache
-def reference(shape: tuple[int, ...], cfg: demo_dit.DiTConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The whole DiT on the whole latent in this one process: its output and every parameter's gradient."""
+def reference(shape: tuple[int, ...], cfg: demo_dit.DiTConfig,
+              mask: cp.Mask | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The whole DiT on the whole latent in this one process: its output and every parameter's gradient.
+
+    With ``mask`` (the autoregressive variant): no register token, attention under the mask's dense matrix.
+    """
     model = demo_dit.build(cfg, SEED)
     grid = token_grid(shape, cfg.patch)
     cos, sin = demo_dit.rope_for_tokens(demo_dit.rope_table(grid))
     x = model["embed"](demo_dit.patchify(latent(shape), cfg.patch))
-    x, (cos, sin) = demo_dit.with_register(x, model["register"].weight), demo_dit.register_rope(cos, sin)
-    x = demo_dit.run_blocks(model, range(cfg.blocks), x, cos, sin, None)
-    out = demo_dit.unpatchify(model["head"](x[:, 1:]), cfg.patch, grid, cfg.channels)
+    attn = None
+    if mask is None:
+        x, (cos, sin) = demo_dit.with_register(x, model["register"].weight), demo_dit.register_rope(cos, sin)
+    else:
+        attn = demo_dit.dense_masked_attention(mask, x.shape[1])
+    x = demo_dit.run_blocks(model, range(cfg.blocks), x, cos, sin, attn)
+    out = demo_dit.unpatchify(model["head"](x if mask is not None else x[:, 1:]), cfg.patch, grid, cfg.channels)
     (out * target(shape)).sum().backward()
-    return out.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -179,8 +187,11 @@ class Topology:
 
     def __init__(self, steps: Steps, cp_size: int, pp_size: int, shape: tuple[int, ...],
                  patch: tuple[int, int, int], timeout: datetime.timedelta, corrupt_rank: int | None,
-                 print_layout: bool, heads: int):
+                 print_layout: bool, heads: int, mask_spec: str = "full"):
         self.steps, self.cp_size, self.pp_size, self.heads = steps, cp_size, pp_size, heads
+        # "full": the DiT as it always was; any other mask: the autoregressive variant (balanced plan, dispatch).
+        self.mask_spec = mask_spec
+        self.mask: cp.Mask | None = None
         self.shape, self.patch, self.timeout = shape, patch, timeout
         self.corrupt_rank, self.print_layout = corrupt_rank, print_layout
         self.label = f"cp {cp_size} x pp {pp_size}"
@@ -197,9 +208,10 @@ class Topology:
         if self.print_layout:
             s.say(_indent(format_plan(self.plan)))
         s.run(f"{self.label}  find_split", self.split)
-        s.run(f"{self.label}  broadcast + split latent", self.scatter)
+        masked = self.mask_spec != "full"
+        s.run(f"{self.label}  broadcast + {'dispatch' if masked else 'split'} latent", self.scatter)
         s.run(f"{self.label}  DiT forward via scheduler", self.pipeline)
-        s.run(f"{self.label}  cat_outputs_cp == 1 process", self.gather)
+        s.run(f"{self.label}  {'undispatch' if masked else 'cat_outputs_cp'} == 1 process", self.gather)
         s.run(f"{self.label}  backward, grads == 1 process", self.backward)
         s.run(f"{self.label}  destroy_model_parallel", self.teardown)
 
@@ -263,13 +275,33 @@ class Topology:
         # The model is built for this split: its token patch must tile every rank's shard.
         patch = demo_dit.token_patch(per_rank, (t, h, w), self.patch)
         self.cfg = demo_dit.DiTConfig(channels=self.shape[1], patch=patch, heads=self.heads, blocks=NUM_BLOCKS)
-        return f"{list(self.shape)} -> per-rank {list(per_rank)}, cp_size_t {self.cp_t}"
+        detail = f"{list(self.shape)} -> per-rank {list(per_rank)}, cp_size_t {self.cp_t}"
+        if self.mask_spec != "full":
+            # The autoregressive variant: the mask over the token sequence (frames of the token grid in time order),
+            # and a balanced plan of its tokens over the cp ranks.
+            gt, gh, gw = token_grid(self.shape, patch)
+            self.mask = cp.Mask.parse(self.mask_spec, frame_tokens=gh * gw)
+            self.dispatch_plan = cp.plan_dispatch(self.mask, gt * gh * gw, self.cp_size)
+            contiguous = cp.plan_dispatch(self.mask, gt * gh * gw, self.cp_size, method="contiguous")
+            detail += (f"; {self.mask.describe()} over {gt * gh * gw} tokens ({gt} frames of {gh * gw}): work max/mean "
+                       f"{self.dispatch_plan.balance:.3f} balanced, {contiguous.balance:.3f} contiguous")
+        return detail
 
     def scatter(self) -> str:
         if self.stage != 0:
             return ""
         group = ps.get_context_parallel_group()
         source = min(dist.get_process_group_ranks(group))
+        if self.mask is not None:  # every rank of stage 0 takes the whole latent, then its plan's tokens of it
+            whole = cp.broadcast(latent(self.shape) if dist.get_rank() == source else None, process_group=group)
+            check(torch.equal(whole, latent(self.shape)), f"the broadcast latent differs from the source's: "
+                  f"{_mismatch(whole, latent(self.shape))}")
+            self.shard = cp.dispatch(demo_dit.patchify(whole, self.cfg.patch), self.dispatch_plan, 1, group)
+            want = demo_dit.patchify(latent(self.shape), self.cfg.patch)[:, self.dispatch_plan.index(self._cp_rank())]
+            check(torch.equal(self.shard, want), f"this rank's dispatched tokens are not its plan's tokens of the "
+                  f"latent: {_mismatch(self.shard, want)}")
+            return (f"source: global rank {source}; this rank's {self.shard.shape[1]} tokens in "
+                    f"{len(self.dispatch_plan.runs[self._cp_rank()])} run(s) of the sequence")
         # Only the source holds the latent (it would load it from disk); the others pass None.
         full = to_cp_layout(latent(self.shape), self.cp_t, self.cp_h) if dist.get_rank() == source else None
         shard = cp.broadcast_split_tensor(full, CP_DIM, process_group=group)
@@ -281,7 +313,12 @@ class Topology:
               f"{_mismatch(self.shard, want)}")
         return f"source: global rank {source} (lowest of its cp group)"
 
+    def _cp_rank(self) -> int:
+        return ps.get_context_parallel_rank()
+
     def pipeline(self) -> str:
+        if self.mask is not None:
+            return self._pipeline_masked()
         pp, stage, rank, cfg = self.pp_size, self.stage, dist.get_rank(), self.cfg
         group = ps.get_context_parallel_group()
         self.model = model = demo_dit.build(cfg, SEED)  # every rank builds the same weights, runs its part
@@ -328,9 +365,52 @@ class Topology:
         return (f"{length} tokens ({length - 1} of patch {'x'.join(map(str, cfg.patch))} and a register), "
                 f"{cfg.heads} heads, {where}")
 
+    def _pipeline_masked(self) -> str:
+        """The autoregressive variant's forward: this rank's plan tokens through its stage's blocks."""
+        pp, stage, rank, cfg, plan = self.pp_size, self.stage, dist.get_rank(), self.cfg, self.dispatch_plan
+        self.model = model = demo_dit.build(cfg, SEED)
+        grid = token_grid(self.shape, cfg.patch)
+        mine = plan.index(self._cp_rank())
+        # The rotary angles of the whole grid, taken at this rank's positions: each token keeps its (t, h, w).
+        cos, sin = (t[mine] for t in demo_dit.rope_for_tokens(demo_dit.rope_table(grid)))
+        attn = demo_dit.usp(self.ulysses_group, self.ring_group, None, plan=plan)
+        tokens = (self.shape[0], mine.numel(), cfg.dim)
+        sched = scheduler.pp_scheduler() if pp > 1 else None
+        demo_dit.attention_seconds[0] = 0.0
+        if stage == 0:
+            x = self.shard + 1.0 if self.corrupt_rank == rank else self.shard
+            if sched is not None:  # the ring: the output comes back, as this rank's tokens
+                sched.queue_irecv_prev((self.shape[0], mine.numel(), cfg.patch_dim), torch.float32)
+            x = model["embed"](x)
+        else:
+            self.received = x = sched.recv_prev_data(tokens, torch.float32).requires_grad_(True)
+        x = demo_dit.run_blocks(model, stage_blocks(stage, pp), x, cos, sin, attn)
+        if stage == pp - 1:
+            self.output = model["head"](x)
+            if sched is not None:
+                sched.send_next_data(self.output.detach())
+        else:
+            self.sent = x
+            sched.send_next_data(x.detach())
+            if stage == 0:
+                self.output = sched.queue_irecv_prev_data()
+        slowest = torch.tensor([demo_dit.attention_seconds[0]], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        self.attention_seconds = slowest.item()
+        where = f"{NUM_BLOCKS} blocks on one stage" if pp == 1 else \
+            f"{NUM_BLOCKS} blocks over {pp} stages, last stage -> stage 0"
+        return (f"{plan.length} tokens of patch {'x'.join(map(str, cfg.patch))}, {self.mask} ({plan.method} plan: "
+                f"{min(plan.sizes)}-{max(plan.sizes)} tokens per rank), {cfg.heads} heads, {where}")
+
     def gather(self) -> str:
         err, far = -1.0, ""
-        if self.output is not None:  # a middle stage holds no output
+        if self.output is not None and self.mask is not None:  # the plan's tokens back in order, unpatchified
+            group = ps.get_context_parallel_group()
+            whole = cp.undispatch(self.output.detach(), self.dispatch_plan, 1, group)
+            full = demo_dit.unpatchify(whole, self.cfg.patch, token_grid(self.shape, self.cfg.patch), self.cfg.channels)
+            want = reference(self.shape, self.cfg, self.mask)[0]
+            err, far = relative_error(full, want), _far(full, want)
+        elif self.output is not None:  # a middle stage holds no output
             group = ps.get_context_parallel_group()
             gathered = cp.cat_outputs_cp(self.output.detach().unsqueeze(CP_DIM), CP_DIM, cp_group=group)
             full = from_cp_layout(gathered, self.cp_t, self.cp_h)
@@ -344,7 +424,12 @@ class Topology:
 
     def backward(self) -> str:
         pp, stage = self.pp_size, self.stage
-        if stage == pp - 1:
+        if stage == pp - 1 and self.mask is not None:
+            # The output is a permutation of the unpatchified tokens: d(sum(output * target)) / d(this rank's
+            # tokens) is the target's patches at this rank's positions.
+            mine = self.dispatch_plan.index(self._cp_rank())
+            self.output.backward(demo_dit.patchify(target(self.shape), self.cfg.patch)[:, mine])
+        elif stage == pp - 1:
             # d(sum(output * target)) / d output is this rank's shard of the target.
             want = to_cp_layout(target(self.shape), self.cp_t, self.cp_h)[:, :, ps.get_context_parallel_rank()]
             self.output.backward(want)
@@ -357,19 +442,21 @@ class Topology:
             sched = scheduler.pp_scheduler()
             dist.send(self.received.grad.contiguous(), dst=sched.prev_rank, group=sched.group)
         # Every rank of the data-parallel-with-CP group holds this stage: sum their gradients in one collective.
-        # Only cp rank 0 holds the register token, so only there has it a gradient; the others add zeros.
+        # Only cp rank 0 holds the register token, so only there has it a gradient; the others add zeros. The
+        # autoregressive variant has no register token.
         named = [(n, p) for n, p in self.model.named_parameters() if self._owns(n)]
         has = {n for n, p in named if p.grad is not None}
         first = ps.get_context_parallel_rank() == 0
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in named])
         dist.all_reduce(flat, group=ps.get_data_parallel_group(with_context_parallel=True))
-        ref = reference(self.shape, self.cfg)[1]
+        ref = reference(self.shape, self.cfg, self.mask)[1]
         errs, offset = {}, 0
         for n, p in named:
-            errs[n] = relative_error(flat[offset:offset + p.numel()].view_as(p), ref[n])
+            if n in ref:  # not the register token in the autoregressive variant: it has no gradient anywhere
+                errs[n] = relative_error(flat[offset:offset + p.numel()].view_as(p), ref[n])
             offset += p.numel()
         expected = {n for n, _ in self.model.named_parameters() if self._owns(n)}
-        expected -= set() if first else {"register.weight"}
+        expected -= set() if first and self.mask is None else {"register.weight"}
         grads = {n for n, p in self.model.named_parameters() if p.grad is not None}
         check(has == expected == grads, f"parameters {sorted((grads | has) ^ expected)} have gradients where this "
               f"rank does not use them, or lack them where it does")
@@ -378,7 +465,7 @@ class Topology:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         check(err <= TOLERANCE, f"the gradient of {name} differs from the one-process one: max |diff| / max |ref| = "
               f"{err:.3g} > {TOLERANCE:g}")
-        return (f"{len(reference(self.shape, self.cfg)[1])} parameter gradients, summed over dp-cp, "
+        return (f"{len(ref)} parameter gradients, summed over dp-cp, "
                 f"max |diff| / max |ref| {worst.item():.1e}")
 
     def _owns(self, name: str) -> bool:
@@ -419,6 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--patch", default="1,2,2")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
     p.add_argument("--corrupt-rank", type=int, default=None)
+    p.add_argument("--mask", default="full", help="the DiT's attention mask (cp.Mask.parse; a trailing f counts frames "
+                   "of the token grid, e.g. chunk_causal:2f); anything but full runs the autoregressive variant")
     return p
 
 
@@ -433,7 +522,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     attention = []
     for i, (cp_size, pp_size) in enumerate(topologies):
         topology = Topology(steps, cp_size, pp_size, shape, patch, timeout,  # type: ignore[arg-type]
-                            corrupt_rank=args.corrupt_rank if i == 0 else None, print_layout=i == 0, heads=HEADS)
+                            corrupt_rank=args.corrupt_rank if i == 0 else None, print_layout=i == 0, heads=HEADS,
+                            mask_spec=args.mask)
         topology.run()
         attention.append(topology.attention_seconds)
     world = dist.get_world_size()

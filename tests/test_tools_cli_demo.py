@@ -72,6 +72,37 @@ def test_demo_failing_check_exits_nonzero_with_one_line_per_rank(tmp_path):
     assert last.startswith("python -m parallel_state: error: demo FAILED: rank ")
 
 
+def _autoregressive_variant(mask: str, latent: tuple[int, ...]) -> list[str]:
+    """The demo's rank program, on this pool rank: both topologies of the autoregressive variant, every check."""
+    import datetime
+
+    examples = os.path.join(ROOT, "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    import parallel_state_demo as demo
+
+    steps = demo.Steps(total=demo.STEPS * 2)
+    balance = []
+    for cp_size, pp_size in ((2, 2), (4, 1)):
+        topology = demo.Topology(steps, cp_size, pp_size, latent, (1, 2, 2), datetime.timedelta(seconds=60),
+                                 corrupt_rank=None, print_layout=False, heads=demo.HEADS, mask_spec=mask)
+        topology.run()  # a failed check ends this rank (the pool reports it)
+        balance.append(round(topology.dispatch_plan.balance, 3))
+    return [name for name, _ in steps.done] + [f"balance {balance}"]
+
+
+def test_demo_autoregressive_variant_matches_one_process_under_cp_x_pp(pools):
+    """``demo --mask chunk_causal:2f``: the DiT attends chunk-causally over frames on a balanced dispatch plan
+    (cp.dispatch, masked usp, cp.undispatch) under cp 2 x pp 2 and cp 4 x pp 1; output and every gradient equal
+    one process attending under the dense mask (the rank program's own checks, run on the test's rank pool)."""
+    results = pools(4).run(_autoregressive_variant, "chunk_causal:2f", (1, 4, 8, 16, 16), timeout=240)
+    names = [f"cp {c} x pp {p}  {step}" for c, p in ((2, 2), (4, 1)) for step in (
+        "dist_init, groups == plan", "find_split", "broadcast + dispatch latent", "DiT forward via scheduler",
+        "undispatch == 1 process", "backward, grads == 1 process", "destroy_model_parallel")]
+    # 8 frames of 64 tokens in chunks of 2 frames: the balanced plan evens the work the contiguous split does not.
+    assert results == [names + ["balance [1.0, 1.0]"]] * 4
+
+
 @pytest.mark.parametrize("nproc,expected", [(4, ((2, 2), (4, 1))), (2, ((2, 1), (1, 2))), (8, ((2, 4), (8, 1))),
                                             (3, ((3, 1), (1, 3))), (1, ((1, 1), (1, 1)))])
 def test_default_topologies(nproc, expected):
@@ -96,6 +127,7 @@ BAD = [
     (["--nproc", "4", "--latent", "1,4,3,6,16"], "--latent 1,4,3,6,16 cannot be split with cp 2"),
     (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
     (["--corrupt-rank", "9"], "--corrupt-rank must name one of the 4 ranks, got 9"),
+    (["--mask", "chunk_causal"], "--mask: mask 'chunk_causal': chunk_causal takes 1 value(s), got 0"),
 ]
 
 
@@ -130,6 +162,9 @@ def test_demo_namespace_defaults_match_the_issue():
     config = config_from_args(args)
     assert config.nproc == 4 and config.topologies == ((2, 2), (4, 1))
     assert config.latent == (1, 16, 24, 88, 160) and config.patch == (1, 2, 2)
+    assert config.mask == "full" and "--mask" not in config.rank_args()  # the main command runs as it always did
+    args = cli.build_parser().parse_args(["demo", "--mask", "chunk_causal:2f"])
+    assert config_from_args(args).rank_args()[-2:] == ["--mask", "chunk_causal:2f"]
 
 
 def test_the_rank_program_is_found_in_the_checkout_and_missing_it_is_explained(tmp_path):

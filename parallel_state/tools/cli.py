@@ -324,6 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--patch", default="1,2,2", metavar="pT,pH,pW", help="patch sizes for find_split (default 1,2,2)")
     d.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="stop the ranks after this long (default 300)")
+    d.add_argument("--mask", default="full", metavar="SPEC",
+                   help="the DiT's attention mask (as plan --mask; frames with a trailing f count frames of the DiT's "
+                   "token grid): anything but full (the default) runs the autoregressive variant, e.g. "
+                   "chunk_causal:2f, on a balanced dispatch plan")
     d.add_argument("--corrupt-rank", type=int, default=None, help=argparse.SUPPRESS)  # proves the checks can fail
     d.set_defaults(func=_cmd_demo)
     return parser

@@ -33,6 +33,7 @@ from parallel_state.tools.plan_report import (
     CliError,
     int_list,
     make_plan,
+    parse_mask,
     split_report,
 )
 
@@ -52,6 +53,7 @@ class DemoConfig:
     patch: tuple[int, int, int]
     timeout: float
     corrupt_rank: int | None = None
+    mask: str = "full"  # the DiT's attention mask; anything else runs the autoregressive variant
 
     def rank_args(self) -> list[str]:
         """The rank program's command line."""
@@ -61,6 +63,8 @@ class DemoConfig:
                 "--timeout", str(self.timeout)]
         if self.corrupt_rank is not None:
             args += ["--corrupt-rank", str(self.corrupt_rank)]
+        if self.mask != "full":
+            args += ["--mask", self.mask]
         return args
 
 
@@ -108,7 +112,9 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         raise CliError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.corrupt_rank is not None and not 0 <= args.corrupt_rank < nproc:
         raise CliError(f"--corrupt-rank must name one of the {nproc} ranks, got {args.corrupt_rank}")
-    return DemoConfig(nproc, ((cp, pp), (cp2, pp2)), latent, patch, float(args.timeout), args.corrupt_rank)
+    mask = getattr(args, "mask", "full")
+    parse_mask("--mask", mask, 1)  # its form only: the tokens per frame are known once the ranks plan the DiT
+    return DemoConfig(nproc, ((cp, pp), (cp2, pp2)), latent, patch, float(args.timeout), args.corrupt_rank, mask)
 
 
 def _source_root() -> str:
