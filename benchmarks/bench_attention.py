@@ -15,7 +15,19 @@ tokens and 1/u of the heads); the all-gather sends the K and V shards to n-1 ran
 The ring sends what the all-gather does, but never holds the whole K and V. Each repetition times
 every method, in rotating order, after a barrier; a call's time is the slowest rank's.
 
-``python -m benchmarks.bench_attention [--reps N] [--worlds 2,4] [--threads 1]``
+Masked attention (second table): a cut-down real video, 21 latent frames of 96 tokens (2,016 tokens;
+a Wan-style 480p clip has 21 frames of 1,560), q, k, v [1, 2016, 8 heads, 16] float32, under a
+chunk-causal mask (chunks of 3 frames) and a packed mask (clips of 9, 5 and 7 frames, full attention
+inside each), on 2 and 4 gloo ranks: ``ring_attention(plan=)`` and ``usp_attention(plan=)`` (Ulysses 2
+x ring n/2) on the balanced plan and on the contiguous split, forward + backward. The work is even
+on the balanced plan, but a step is faster only where every rank has a core of its own: 4 ranks on
+2 cores share them, and the step takes the whole work's time whatever the plan. Bytes are those
+``cp.count_attention`` counts (K/V and their gradients sent point to point, forward and backward,
+the busiest rank's; usp's all-to-alls come on top, the same for both plans); work is the counted
+(query, key) pairs, max over ranks / mean. All are checked against one process under the dense
+mask before timing.
+
+``python -m benchmarks.bench_attention [--reps N] [--worlds 2,4] [--threads 1] [--tables plain,masked]``
 """
 
 from __future__ import annotations
@@ -123,6 +135,105 @@ def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[st
     return {name: {"ms": statistics.median(t) * 1e3, "bytes": sent[name]} for name, t in times.items()}
 
 
+FRAMES, FRAME_TOKENS, CHUNK_FRAMES, CLIPS = 21, 96, 3, (9, 5, 7)
+MASKED_HEADS, MASKED_DIM = 8, 16
+
+
+def masked_cases() -> dict[str, Any]:
+    """The masks of the masked table, by name."""
+    import cp
+
+    return {f"chunk-causal ({CHUNK_FRAMES} frames)": cp.Mask.chunk_causal(CHUNK_FRAMES * FRAME_TOKENS),
+            f"packed clips {'+'.join(map(str, CLIPS))} frames": cp.Mask.packed([c * FRAME_TOKENS for c in CLIPS])}
+
+
+def _rank_main_masked(rank: int, world: int, store: str, opts: dict[str, Any], conn: Any) -> None:
+    try:
+        conn.send(("ok", _measure_masked(rank, world, store, opts)))
+    except BaseException as exc:
+        conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def _measure_masked(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[str, Any] | None:
+    import torch
+    import torch.distributed as dist
+
+    import cp
+    import parallel_state as ps
+    from cp.comm import all_gather_into
+
+    torch.set_num_threads(opts["threads"])
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    ps.initialize_model_parallel(context_parallel_size=world, hierarchical_context_parallel_sizes=[2, world // 2])
+    ug, rg = ps.get_hierarchical_context_parallel_groups()
+    group = dist.group.WORLD
+    length = FRAMES * FRAME_TOKENS
+    g = torch.Generator().manual_seed(SEED)
+    q, k, v = (torch.randn(1, length, MASKED_HEADS, MASKED_DIM, generator=g) for _ in range(3))
+    grad = torch.randn(1, length, MASKED_HEADS, MASKED_DIM, generator=g)
+    ways: dict[tuple[str, str, str], Any] = {}
+    for mask_name, mask in masked_cases().items():
+        want = cp.sdpa_in_layout(q, k, v, attn_mask=mask.dense(length))
+        for method in ("balanced", "contiguous"):
+            plan = cp.plan_dispatch(mask, length, world, method=method)
+            mine = plan.index(rank)
+            ins = [t[:, mine].requires_grad_(True) for t in (q, k, v)]
+            for how in ("ring", f"usp 2x{world // 2}"):
+                def step(ins=ins, plan=plan, how=how, g_out=grad[:, mine]) -> Any:
+                    if how == "ring":
+                        out = cp.ring_attention(*ins, group, plan=plan)
+                    else:
+                        out = cp.usp_attention(*ins, ulysses_group=ug, ring_group=rg, plan=plan)
+                    out.backward(g_out)
+                    return out
+                out = step()  # checked against one process before any timing
+                err = ((out.detach() - want[:, mine]).abs().max() / want.abs().max()).item()
+                if err > 1e-5:
+                    raise AssertionError(f"{how} {mask_name} {method}: max |diff| / max |ref| = {err:.3g}")
+                ways[(mask_name, how, method)] = step
+    counted = {}
+    for key, fn in ways.items():  # what each way sends and computes on this rank, counted
+        with cp.count_attention() as count:
+            fn()
+        sent = sum(count.kv_sent.values()) + sum(count.grad_sent.values())
+        every = torch.empty(2 * world, dtype=torch.float64)
+        all_gather_into(every, torch.tensor([sent, count.pairs], dtype=torch.float64), group)
+        rows = every.view(world, 2)
+        counted[key] = (rows[:, 0].max().item(), (rows[:, 1].max() / rows[:, 1].mean()).item())
+    slowest = torch.zeros(1, dtype=torch.float64)
+    times: dict[Any, list[float]] = {key: [] for key in ways}
+    order = list(ways.items())
+    for rep in range(opts["reps"] + opts["warmup"]):
+        for key, fn in order[rep % len(order):] + order[:rep % len(order)]:
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            fn()
+            slowest.fill_(time.perf_counter() - start)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+            if rep >= opts["warmup"]:
+                times[key].append(slowest.item())
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    if rank:
+        return None
+    return {" | ".join(key): {"ms": statistics.median(times[key]) * 1e3, "bytes": counted[key][0],
+                              "balance": counted[key][1]} for key in ways}
+
+
+def masked_rows(world: int, opts: dict[str, Any]) -> list[list[Any]]:
+    """The masked table's rows: each mask and method, the balanced plan beside the contiguous split."""
+    r = spawn_ranks(_rank_main_masked, world, opts, timeout=600, prefix="bench_attention_masked")
+    rows = []
+    for mask_name in masked_cases():
+        for how in ("ring", f"usp 2x{world // 2}"):
+            b, c = (r[f"{mask_name} | {how} | {m}"] for m in ("balanced", "contiguous"))
+            rows.append([world, mask_name, how, f"{b['balance']:.3f} / {c['balance']:.3f}",
+                         f"{b['bytes'] / 2**20:.2f} / {c['bytes'] / 2**20:.2f}", f"{b['ms']:.1f} / {c['ms']:.1f}",
+                         f"{c['ms'] / b['ms']:.2f}x"])
+    return rows
+
+
 def usp_sizes(world: int) -> tuple[int, int]:
     """usp's [ulysses, ring] sizes for ``world`` ranks: 2 x world/2, or (1, world) when that is not two levels."""
     return (2, world // 2) if world % 2 == 0 and world >= 4 else (1, world)
@@ -156,21 +267,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--worlds", default="2,4", help="numbers of gloo ranks")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--masked-worlds", default="2,4", help="numbers of gloo ranks of the masked table (even)")
+    parser.add_argument("--tables", default="plain,masked", help="which tables: plain (every method), masked "
+                        "(balanced plan vs contiguous split)")
     args = parser.parse_args(argv)
+    tables = set(args.tables.split(","))
+    if not tables or tables - {"plain", "masked"}:
+        parser.error(f"--tables takes plain and/or masked, got {args.tables!r}")
     opts = {"reps": args.reps, "warmup": args.warmup, "threads": args.threads}
     start = time.perf_counter()
-    rows = []
+    rows, masked = [], []
     try:
-        one = single_process_ms(args.reps, args.threads)
-        for world in (int(w) for w in args.worlds.split(",")):
-            r = run(world, opts)
-            g = r["gather K/V"]
-            for name, m in r.items():
-                rows.append([world, name, f"{m['bytes'] / 2**20:.2f}", f"{m['ms']:.2f}",
-                             f"{g['ms'] / m['ms']:.2f}x", f"{one:.2f}"])
+        if "plain" in tables:
+            one = single_process_ms(args.reps, args.threads)
+            for world in (int(w) for w in args.worlds.split(",")):
+                r = run(world, opts)
+                g = r["gather K/V"]
+                for name, m in r.items():
+                    rows.append([world, name, f"{m['bytes'] / 2**20:.2f}", f"{m['ms']:.2f}",
+                                 f"{g['ms'] / m['ms']:.2f}x", f"{one:.2f}"])
+        if "masked" in tables:
+            for world in (int(w) for w in args.masked_worlds.split(",")):
+                masked += masked_rows(world, opts)
     except Exception as exc:
         print(f"bench_attention failed: {exc}", file=sys.stderr)
         return 1
+    if masked:
+        print(table(
+            f"masked attention, balanced plan / contiguous split: q, k, v [1, {FRAMES * FRAME_TOKENS}, {MASKED_HEADS}, "
+            f"{MASKED_DIM}] float32 ({FRAMES} frames of {FRAME_TOKENS} tokens), gloo ranks, forward + backward",
+            ["ranks", "mask", "method", "work max/mean", "MiB sent/rank (max)", "ms", "speed-up of balanced"],
+            masked,
+            [f"median of {args.reps} repetitions in rotating order (slowest rank), {args.threads} thread(s) per rank; "
+             f"bytes and work counted by cp.count_attention (usp: its ring's K/V; the all-to-alls add the same for "
+             f"both plans); all match one-process attention under the dense mask within 1e-5 before timing"],
+        ))
+    if not rows:
+        print(f"(bench_attention took {time.perf_counter() - start:.0f} s)")
+        return 0
     q = make_qkv()[0]
     print(table(
         f"context-parallel attention: q, k, v {list(q.shape)} float32 ({LATENT} patchified "
