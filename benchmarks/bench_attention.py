@@ -78,6 +78,27 @@ def gather_kv_attention(q: Any, k: Any, v: Any, group: Any) -> Any:
     return cp.sdpa_in_layout(q, full[0], full[1])
 
 
+def time_in_turns(ways: dict[Any, Any], group: Any, opts: dict[str, Any]) -> dict[Any, list[float]]:
+    """Each way's times (the slowest rank's), ``opts["reps"]`` rounds after ``opts["warmup"]``, every round
+    calling every way once after a barrier, in an order that rotates by one each round."""
+    import torch
+    import torch.distributed as dist
+
+    slowest = torch.zeros(1, dtype=torch.float64)
+    times: dict[Any, list[float]] = {key: [] for key in ways}
+    order = list(ways.items())
+    for rep in range(opts["reps"] + opts["warmup"]):
+        for key, fn in order[rep % len(order):] + order[:rep % len(order)]:
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            fn()
+            slowest.fill_(time.perf_counter() - start)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+            if rep >= opts["warmup"]:
+                times[key].append(slowest.item())
+    return times
+
+
 def _rank_main(rank: int, world: int, store: str, opts: dict[str, Any], conn: Any) -> None:
     try:
         conn.send(("ok", _measure(rank, world, store, opts)))
@@ -113,18 +134,7 @@ def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[st
         err = ((fn() - want).abs().max() / want.abs().max()).item()
         if err > 1e-5:
             raise AssertionError(f"{name} differs from one-process attention: max |diff| / max |ref| = {err:.3g}")
-    slowest = torch.zeros(1, dtype=torch.float64)
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    order = list(ways.items())
-    for rep in range(opts["reps"] + opts["warmup"]):
-        for name, fn in order[rep % len(order):] + order[:rep % len(order)]:
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            fn()
-            slowest.fill_(time.perf_counter() - start)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-            if rep >= opts["warmup"]:
-                times[name].append(slowest.item())
+    times = time_in_turns(ways, group, opts)
     shard = mine[0].numel() * mine[0].element_size()
     sent = {"ulysses": 4 * (world - 1) * shard // world, "ring": 2 * (world - 1) * shard,
             f"usp {u}x{r}": 4 * (u - 1) * shard // u + 2 * (r - 1) * shard, "gather K/V": 2 * (world - 1) * shard}
@@ -201,18 +211,7 @@ def _measure_masked(rank: int, world: int, store: str, opts: dict[str, Any]) -> 
         all_gather_into(every, torch.tensor([sent, count.pairs], dtype=torch.float64), group)
         rows = every.view(world, 2)
         counted[key] = (rows[:, 0].max().item(), (rows[:, 1].max() / rows[:, 1].mean()).item())
-    slowest = torch.zeros(1, dtype=torch.float64)
-    times: dict[Any, list[float]] = {key: [] for key in ways}
-    order = list(ways.items())
-    for rep in range(opts["reps"] + opts["warmup"]):
-        for key, fn in order[rep % len(order):] + order[:rep % len(order)]:
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            fn()
-            slowest.fill_(time.perf_counter() - start)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-            if rep >= opts["warmup"]:
-                times[key].append(slowest.item())
+    times = time_in_turns(ways, group, opts)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     if rank:

@@ -349,7 +349,17 @@ class Topology:
         x = demo_dit.run_blocks(model, stage_blocks(stage, pp), x, cos, sin, attn)
         if stage == pp - 1:
             x = x[:, 1:] if first else x  # the register token has no place in the video
-            self.output = demo_dit.unpatchify(model["head"](x), cfg.patch, grid, cfg.channels)
+        where = self._pass_on(x, sched, lambda y: demo_dit.unpatchify(model["head"](y), cfg.patch, grid, cfg.channels))
+        return (f"{length} tokens ({length - 1} of patch {'x'.join(map(str, cfg.patch))} and a register), "
+                f"{cfg.heads} heads, {where}")
+
+    def _pass_on(self, x: torch.Tensor, sched: scheduler.PPScheduler | None,
+                 head: Callable[[torch.Tensor], torch.Tensor]) -> str:
+        """The end of this stage's forward: the last stage makes the output (``head(x)``) and sends it back to
+        stage 0 (the ring), the others send ``x`` on; the slowest rank's attention time; the stages in words."""
+        pp, stage = self.pp_size, self.stage
+        if stage == pp - 1:
+            self.output = head(x)
             if sched is not None:
                 sched.send_next_data(self.output.detach())  # the last stage's next is stage 0
         else:
@@ -360,10 +370,8 @@ class Topology:
         slowest = torch.tensor([demo_dit.attention_seconds[0]], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         self.attention_seconds = slowest.item()
-        where = f"{NUM_BLOCKS} blocks on one stage" if pp == 1 else \
+        return f"{NUM_BLOCKS} blocks on one stage" if pp == 1 else \
             f"{NUM_BLOCKS} blocks over {pp} stages, last stage -> stage 0"
-        return (f"{length} tokens ({length - 1} of patch {'x'.join(map(str, cfg.patch))} and a register), "
-                f"{cfg.heads} heads, {where}")
 
     def _pipeline_masked(self) -> str:
         """The autoregressive variant's forward: this rank's plan tokens through its stage's blocks."""
@@ -385,20 +393,7 @@ class Topology:
         else:
             self.received = x = sched.recv_prev_data(tokens, torch.float32).requires_grad_(True)
         x = demo_dit.run_blocks(model, stage_blocks(stage, pp), x, cos, sin, attn)
-        if stage == pp - 1:
-            self.output = model["head"](x)
-            if sched is not None:
-                sched.send_next_data(self.output.detach())
-        else:
-            self.sent = x
-            sched.send_next_data(x.detach())
-            if stage == 0:
-                self.output = sched.queue_irecv_prev_data()
-        slowest = torch.tensor([demo_dit.attention_seconds[0]], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        self.attention_seconds = slowest.item()
-        where = f"{NUM_BLOCKS} blocks on one stage" if pp == 1 else \
-            f"{NUM_BLOCKS} blocks over {pp} stages, last stage -> stage 0"
+        where = self._pass_on(x, sched, model["head"])  # the output stays this rank's tokens until undispatch
         return (f"{plan.length} tokens of patch {'x'.join(map(str, cfg.patch))}, {self.mask} ({plan.method} plan: "
                 f"{min(plan.sizes)}-{max(plan.sizes)} tokens per rank), {cfg.heads} heads, {where}")
 

@@ -11,6 +11,7 @@ import cp
 import cp.mask_schedule
 import cp.masked
 from cpgroups import raises as _raises
+from cpgroups import spying
 
 # ---------------------------------------------------------------- helpers run on every rank
 
@@ -219,42 +220,23 @@ def case_traffic_is_point_to_point_to_the_needy():
     check of every rank's plan and tokens), then point-to-point messages only, each to a rank whose queries see
     the sender's keys; the counter saw the same bytes."""
     import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
 
     g = dist.group.WORLD
     me = g.rank()
     calls, sends = [], []
-    names = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_to_all_single", "broadcast",
-             "all_reduce", "batch_isend_irecv", "isend", "irecv", "send", "recv")
-    real = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
-    def spy(name):
-        def wrapped(*args, **kwargs):
-            calls.append(name)
-            if name == "isend":
-                peer = kwargs.get("group_dst", kwargs.get("dst"))
-                sends.append((peer, args[0].numel() * args[0].element_size()))
-            return real[name](*args, **kwargs)
-        return wrapped
+    def record(name, args, kwargs):
+        calls.append(name)
+        if name == "isend":
+            sends.append((kwargs.get("group_dst", kwargs.get("dst")), args[0].numel() * args[0].element_size()))
 
     mask = cp.Mask.sliding_window(4, 2)  # rank r's queries see only the nearest chunks: not everyone needs everyone
     plan = cp.plan_dispatch(mask, 64, 4, method="contiguous")
     q, k, v, _ = _qkvw(64, (4, 2, 1, 2), 1, 2, 5)
     mine = [t.index_select(1, plan.index(me)).requires_grad_(True) for t in (q, k, v)]
-    for name in real:
-        fn = spy(name)
-        setattr(dist, name, fn)
-        if name in ("isend", "irecv"):  # P2POp takes only the functions c10d itself names isend and irecv
-            setattr(c10d, name, fn)
-    try:
-        with cp.count_attention() as count:
-            out = cp.ring_attention(*mine, g, plan=plan)
-            out.sum().backward()
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
-            if name in ("isend", "irecv"):
-                setattr(c10d, name, fn)
+    with spying(record), cp.count_attention() as count:
+        out = cp.ring_attention(*mine, g, plan=plan)
+        out.sum().backward()
     assert set(calls) <= {"all_gather_single", "all_gather_into_tensor", "batch_isend_irecv", "isend", "irecv"}, calls
     assert sum(name.startswith("all_gather") for name in calls) == 1, calls
     pairs = plan.pairs()

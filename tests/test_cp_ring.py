@@ -11,6 +11,7 @@ import torch
 import cp
 import cp.ring
 from cpgroups import raises as _raises
+from cpgroups import spying
 
 # ---------------------------------------------------------------- helpers run on every rank
 
@@ -167,34 +168,23 @@ def case_ring_plain_without_group():
 
 # ---------------------------------------------------------------- the traffic: point to point only, one block at a time
 
-_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_to_all", "all_to_all_single",
-                "broadcast", "all_reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "send",
-                "recv")
-
-
 def case_ring_traffic():
     """Record every communication call while ring attention runs (the real functions still run) and every
     tensor autograd saves: only batch_isend_irecv, only to the next rank and from the previous one, one
     block per message, and nothing saved bigger than this rank's own q, k, v."""
     import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
 
     g = dist.group.WORLD
     n, r = g.size(), g.rank()
     calls, p2p = [], []
-    real = {name: getattr(dist, name) for name in _COLLECTIVES + ("batch_isend_irecv", "isend", "irecv")
-            if hasattr(dist, name)}
 
-    def spy(name):
-        def wrapped(*args, **kwargs):
-            if name == "batch_isend_irecv":
-                p2p.append([])
-            if name in ("isend", "irecv"):  # as batch_isend_irecv calls them on gloo: tensor, group peer by keyword
-                peer = kwargs.get("group_dst", kwargs.get("group_src", kwargs.get("dst", kwargs.get("src"))))
-                p2p[-1].append((name, peer, args[0].numel()))
-            calls.append(name)
-            return real[name](*args, **kwargs)
-        return wrapped
+    def record(name, args, kwargs):
+        if name == "batch_isend_irecv":
+            p2p.append([])
+        if name in ("isend", "irecv"):  # as batch_isend_irecv calls them on gloo: tensor, group peer by keyword
+            peer = kwargs.get("group_dst", kwargs.get("group_src", kwargs.get("dst", kwargs.get("src"))))
+            p2p[-1].append((name, peer, args[0].numel()))
+        calls.append(name)
 
     length, heads, d = 4 * n + 3, 4, 8  # uneven
     q, k, v = (_data((1, length, heads, d), seed) for seed in (1, 2, 3))
@@ -206,21 +196,11 @@ def case_ring_traffic():
         calls.clear()
         p2p.clear()
         saved.clear()
-        spies = {name: spy(name) for name in real}
-        for name, fn in spies.items():
-            setattr(dist, name, fn)
-            if name in ("isend", "irecv"):  # P2POp accepts only the functions c10d itself names isend and irecv
-                setattr(c10d, name, fn)
-        try:
+        with spying(record):
             with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t.numel()), t)[1], lambda t: t):
                 out = cp.ring_attention(*mine, g, causal=causal, length=length)
             forward = len(p2p)
             out.sum().backward()
-        finally:
-            for name, fn in real.items():
-                setattr(dist, name, fn)
-                if name in ("isend", "irecv"):
-                    setattr(c10d, name, fn)
         assert set(calls) == {"batch_isend_irecv", "isend", "irecv"}, calls  # no collective: no K/V gather anywhere
         assert all(batch for batch in p2p)
         nxt, prv = (r + 1) % n, (r - 1) % n
