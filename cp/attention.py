@@ -356,7 +356,8 @@ def _masked(what: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
     scale = _scale(what, attn_kwargs.get("scale"), q.movedim((h, s), (-3, -2)).shape[-1])
     given = plan
     plan = masked.resolve(what, mask, plan, False, n, q.shape[s], length)
-    whole = masked.schedule(plan, "whole", lambda: (tuple(p for mine in plan.positions for p in mine),), 0)
+    whole = masked.schedule(plan, "whole", lambda: (tuple(p for mine in plan.positions for p in mine),), 0,
+                            q.device)
 
     def attn(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
         return masked.attend(qh, kh, vh, whole, None, s, h, scale)

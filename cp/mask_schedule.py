@@ -54,11 +54,13 @@ class Tile:
 
     def masked_out(self, device: torch.device) -> torch.Tensor | None:
         """Bool [rows, c1 - c0], True where the query must not see the key; None for a fully allowed tile."""
-        if self.lo is None:
+        if self.lo is None or self.hi is None:
             return None
         cols = torch.arange(self.c1 - self.c0, device=device)
-        lo, hi = self.lo.to(device), self.hi.to(device)  # type: ignore[union-attr]
-        return (cols < lo[:, None]) | (cols >= hi[:, None])
+        return (cols < self.lo[:, None]) | (cols >= self.hi[:, None])
+
+    def to(self, device: torch.device) -> Tile:
+        return Tile(_to(self.rows, device), self.c0, self.c1, _to(self.lo, device), _to(self.hi, device), self.allowed)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,9 @@ class Block:
     @property
     def allowed(self) -> int:
         return sum(t.allowed for t in self.tiles)
+
+    def to(self, device: torch.device) -> Block:
+        return Block(self.source, self.size, _to(self.index, device), tuple(t.to(device) for t in self.tiles))
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,17 @@ class Schedule:
     def allowed(self) -> int:
         """Allowed (query, key) pairs of this rank's queries over all blocks."""
         return sum(b.allowed for b in self.blocks if b is not None)
+
+    def to(self, device: torch.device) -> Schedule:
+        """The same schedule with its index tensors on ``device`` (where the attention's tensors are)."""
+        return Schedule(self.rank, self.n, self.local, self.sizes,
+                        tuple(None if b is None else b.to(device) for b in self.blocks),
+                        tuple(None if s is None else Send(s.dest, s.size, _to(s.index, device)) for s in self.sends))
+
+
+def _to(x: Any, device: torch.device) -> Any:
+    """An index tensor on ``device``; a slice or None as it is."""
+    return x.to(device) if isinstance(x, torch.Tensor) else x
 
 
 def _as_rows(index: torch.Tensor) -> Rows:

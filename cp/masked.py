@@ -85,11 +85,15 @@ def layout_words(given: Any, plan: Any, n: int) -> tuple[str, str]:
             "shard the sequence with cp.split_inputs_cp(x, seq_dim, group, uneven=True) and pass length=")
 
 
-def schedule(plan: Any, positions_key: Any, positions: Any, rank: int) -> Schedule:
+def schedule(plan: Any, positions_key: Any, positions: Any, rank: int, device: torch.device) -> Schedule:
     """The cached schedule of group rank ``rank`` for ``plan``'s mask on the layout ``positions`` (a function
-    of the plan and ``positions_key``, called only when the schedule is built)."""
-    return mask_schedule.cached(plan, (positions_key, rank), lambda: mask_schedule.build(
-        plan.mask, plan.length, positions(), rank))
+    of the plan and ``positions_key``, called only when the schedule is built), its indices on ``device``."""
+    def make() -> Schedule:
+        if device.type == "cpu":
+            return mask_schedule.build(plan.mask, plan.length, positions(), rank)
+        return schedule(plan, positions_key, positions, rank, torch.device("cpu")).to(device)
+
+    return mask_schedule.cached(plan, (positions_key, rank, str(device)), make)
 
 
 def agree(what: str, group: Any, plan: Any, named: Sequence[tuple[str, int]], layout: str, fix: str,

@@ -347,7 +347,7 @@ def _masked_ring(what: str, q: Any, k: Any, v: Any, group: Any, n: int, causal: 
     given = plan
     plan = masked.resolve(what, mask, plan, causal, n, q.shape[s], length)
     rank = 0 if group is None else group.rank()
-    sched = masked.schedule(plan, "plan", lambda: plan.positions, rank)
+    sched = masked.schedule(plan, "plan", lambda: plan.positions, rank, q.device)
     layout, fix = masked.layout_words(given, plan, n)
     if n > 1:
         masked.agree(what, group, plan, [("q", q.shape[s])], layout, fix,

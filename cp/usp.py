@@ -122,7 +122,7 @@ def _masked_usp(q: Any, k: Any, v: Any, ulysses_group: Any, ring_group: Any, u: 
         # Ring rank jj holds its u cp ranks' tokens one after another (Ulysses gathers in group-rank order).
         return tuple(tuple(p for i in range(jj * u, jj * u + u) for p in plan.positions[i]) for jj in range(r))
 
-    sched = masked.schedule(plan, ("usp", u, r), ring_positions, j)
+    sched = masked.schedule(plan, ("usp", u, r), ring_positions, j, q.device)
     named = [("q", q.shape[s]), ("k", k.shape[s]), ("v", v.shape[s])]
     masked.agree_usp(what, ulysses_group, ring_group, plan, named, masked.layout_words(given, plan, u * r)[1],
                      even=given is None and length is None)
