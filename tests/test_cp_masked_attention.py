@@ -314,11 +314,15 @@ def case_errors():
             ring_group=rg, plan=plan, causal=True)
     found += 1
     ps.destroy_model_parallel()
-    # After all of that the masked ring still works.
-    q, k, v, _ = _qkvw(22, (4, 4, 1, 2), 1, 2, 3)
-    out = cp.ring_attention(*(t.index_select(1, plan.index(me)) for t in (q, k, v)), g, plan=plan)
+    # After all of that the masked ring still works: here with v's feature size other than k's (plain matmuls) and
+    # in float32 and bfloat16 (sums in float32, the output in the input's dtype).
+    q, k, _, _ = _qkvw(22, (4, 4, 1, 2), 1, 2, 3)
+    v = _data((1, 22, 4, 6), 9)
     want = cp.sdpa_in_layout(q, k, v, attn_mask=mask.dense(22)).index_select(1, plan.index(me))
-    assert torch.allclose(out, want, atol=1e-12)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        out = cp.ring_attention(*(t.index_select(1, plan.index(me)).to(dtype) for t in (q, k, v)), g, plan=plan)
+        assert out.dtype == dtype and out.shape == want.shape
+        assert _rel(out.double(), want) <= tol, (dtype, _rel(out.double(), want))
     return found
 
 
