@@ -102,7 +102,7 @@ def _t_ci_cp(check_initialized=True, with_context_parallel=False):
     return reference(check_initialized, with_context_parallel)
 
 
-def _t_dp(with_context_parallel=False, partial_data_parallel=False):
+def _t_cp_partial(with_context_parallel=False, partial_data_parallel=False):
     try:
         if not with_context_parallel:
             if not partial_data_parallel:
@@ -117,22 +117,43 @@ def _t_dp(with_context_parallel=False, partial_data_parallel=False):
     return reference(with_context_parallel, partial_data_parallel)
 
 
-def _t_dp_group(with_context_parallel=False, partial_data_parallel=False, independent_all_gather=False):
+# The data-parallel accessors take megatron-core 0.19's with_gtp_remat, which 0.19 put before the
+# partial flag: a positional value after the first (``args``) binds in the order of the release in
+# use, which the reference accessor decides. The fast path takes keywords only.
+
+def _t_dp(with_context_parallel=False, *args, with_gtp_remat=True, partial_data_parallel=False):
     try:
-        if not with_context_parallel:
-            if not partial_data_parallel and not independent_all_gather:
-                return a_default
-        elif with_context_parallel is True:
-            if not partial_data_parallel:
-                if not independent_all_gather:
+        if not args and with_gtp_remat is True:
+            if not with_context_parallel:
+                if not partial_data_parallel:
+                    return a_default
+            elif with_context_parallel is True:
+                if not partial_data_parallel:
                     return a_cp
-                if independent_all_gather is True:
-                    return a_cp_all_gather
-            elif partial_data_parallel is True and not independent_all_gather:
-                return a_cp_partial
+                if partial_data_parallel is True:
+                    return a_cp_partial
     except NameError:
         pass
-    return reference(with_context_parallel, partial_data_parallel, independent_all_gather)
+    return reference(with_context_parallel, *args, with_gtp_remat=with_gtp_remat,
+                     partial_data_parallel=partial_data_parallel)
+
+
+def _t_dp_group(with_context_parallel=False, *args, with_gtp_remat=True, partial_data_parallel=False,
+                independent_all_gather=False):
+    try:
+        if not args and with_gtp_remat is True and not independent_all_gather:
+            if not with_context_parallel:
+                if not partial_data_parallel:
+                    return a_default
+            elif with_context_parallel is True:
+                if not partial_data_parallel:
+                    return a_cp
+                if partial_data_parallel is True:
+                    return a_cp_partial
+    except NameError:
+        pass
+    return reference(with_context_parallel, *args, with_gtp_remat=with_gtp_remat,
+                     partial_data_parallel=partial_data_parallel, independent_all_gather=independent_all_gather)
 
 
 def _t_amax(with_context_parallel=False, tp_only_amax_red=False):
@@ -163,15 +184,40 @@ def _t_edp(partial_expert_data_parallel=False):
     return reference(partial_expert_data_parallel)
 
 
-def _t_ci_edp(check_initialized=True, partial_expert_data_parallel=False):
+def _t_edp_r(*args, with_gtp_remat=True, partial_expert_data_parallel=False):
     try:
-        if not partial_expert_data_parallel:
-            return a_default
-        if partial_expert_data_parallel is True:
-            return a_partial
+        if not args and with_gtp_remat is True:
+            if not partial_expert_data_parallel:
+                return a_default
+            if partial_expert_data_parallel is True:
+                return a_partial
     except NameError:
         pass
-    return reference(check_initialized, partial_expert_data_parallel)
+    return reference(*args, with_gtp_remat=with_gtp_remat, partial_expert_data_parallel=partial_expert_data_parallel)
+
+
+def _t_ci_edp_r(check_initialized=True, *args, with_gtp_remat=True, partial_expert_data_parallel=False):
+    try:
+        if not args and with_gtp_remat is True:
+            if not partial_expert_data_parallel:
+                return a_default
+            if partial_expert_data_parallel is True:
+                return a_partial
+    except NameError:
+        pass
+    return reference(check_initialized, *args, with_gtp_remat=with_gtp_remat,
+                     partial_expert_data_parallel=partial_expert_data_parallel)
+
+
+def _t_ci_egtp(check_initialized=True, with_egtp_remat=False):
+    try:
+        if not with_egtp_remat:
+            return a_default
+        if with_egtp_remat is True:
+            return a_egtp
+    except NameError:
+        pass
+    return reference(check_initialized, with_egtp_remat)
 
 
 def _t_stage(ignore_virtual=True, vp_stage=None):
@@ -192,11 +238,14 @@ _TEMPLATES: dict[tuple[str, ...], Callable[..., Any]] = {
     ("*", "with_context_parallel"): _t_kw_cp,
     ("with_context_parallel", "check_initialized"): _t_cp_ci,
     ("check_initialized", "with_context_parallel"): _t_ci_cp,
-    ("with_context_parallel", "partial_data_parallel"): _t_dp,
-    ("with_context_parallel", "partial_data_parallel", "independent_all_gather"): _t_dp_group,
+    ("with_context_parallel", "partial_data_parallel"): _t_cp_partial,
+    ("with_context_parallel", "*args", "with_gtp_remat", "partial_data_parallel"): _t_dp,
+    ("with_context_parallel", "*args", "with_gtp_remat", "partial_data_parallel", "independent_all_gather"): _t_dp_group,
     ("with_context_parallel", "tp_only_amax_red"): _t_amax,
     ("partial_expert_data_parallel",): _t_edp,
-    ("check_initialized", "partial_expert_data_parallel"): _t_ci_edp,
+    ("*args", "with_gtp_remat", "partial_expert_data_parallel"): _t_edp_r,
+    ("check_initialized", "*args", "with_gtp_remat", "partial_expert_data_parallel"): _t_ci_edp_r,
+    ("check_initialized", "with_egtp_remat"): _t_ci_egtp,
     ("ignore_virtual", "vp_stage"): _t_stage,
 }
 
@@ -204,7 +253,10 @@ _TEMPLATES: dict[tuple[str, ...], Callable[..., Any]] = {
 def _parameter_list(params: tuple[inspect.Parameter, ...]) -> tuple[str, ...]:
     names: list[str] = []
     for p in params:
-        if p.kind is p.KEYWORD_ONLY and "*" not in names:
+        if p.kind is p.VAR_POSITIONAL:
+            names.append("*args")
+            continue
+        if p.kind is p.KEYWORD_ONLY and "*" not in names and "*args" not in names:
             names.append("*")
         names.append(p.name)
     return tuple(names)
