@@ -16,7 +16,7 @@ from parallel_state.errors import ParallelStateAssertionError
 from parallel_state.groups import state as _st
 from parallel_state.megatron.answers import ANSWERS as _A
 from parallel_state.megatron.answers import lookup as _lookup
-from parallel_state.megatron.compiled import compile_accessor
+from parallel_state.megatron.compiled import compile_accessor, compile_passthrough
 from parallel_state.topology import releases
 from parallel_state.topology.arguments import flag, non_negative_int, positive_int
 
@@ -470,12 +470,17 @@ for _fn, _variants in {
     _fast(_fn, **_variants)
 
 # Every accessor with a fast path is replaced by its compiled twin (same name, parameters, answers);
-# those whose positional order differs between releases show the order of the release in use.
+# those whose positional order differs between releases take the order of the release in use, or,
+# for a release parallel_state does not know, no fast path and only the positions all releases share.
 for _name, _fn in list(globals().items()):
     if callable(_fn) and _fn in _FAST:
-        globals()[_name] = compile_accessor(_fn, _FAST[_fn], name=_name)
-        if _name in RELEASE_PARAMETERS:
-            globals()[_name].__signature__ = _release_signature(_fn, _name)
+        if _name not in RELEASE_PARAMETERS:
+            globals()[_name] = compile_accessor(_fn, _FAST[_fn], name=_name)
+        elif releases.known(releases.in_use()):
+            globals()[_name] = compile_accessor(_fn, _FAST[_fn], name=_name, positional=releases.positional(
+                RELEASE_PARAMETERS[_name], releases.in_use()))
+        else:
+            globals()[_name] = compile_passthrough(_fn, _name, _release_signature(_fn, _name))
 del _name, _fn, _variants
 
 # The short names MAGI-1 and WorldFoundry call, for the compiled accessors.
