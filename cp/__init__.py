@@ -7,9 +7,12 @@ runs in one process and in many.
 
 from cp.attention import heads_to_seq, sdpa_in_layout, seq_to_heads, ulysses_attention
 from cp.broadcast import broadcast, broadcast_split_tensor, robust_broadcast
+from cp.dispatch import dispatch, undispatch
 from cp.objects import cat_outputs_cp_object_list, split_inputs_cp_object_list
 from cp.shard import cat_outputs_cp, cat_outputs_cp_with_grad, shard_sizes, split_inputs_cp
 from cp.workspace import release_gather_workspace
+from parallel_state import AttentionMask as Mask  # noqa: F401  (one class: cp.Mask is parallel_state.AttentionMask)
+from parallel_state import DispatchPlan, plan_dispatch  # noqa: F401
 
 #: Imported on first use: most programs pick one attention method, and import time is per process.
 _LAZY = {"ring_attention": "cp.ring", "usp_attention": "cp.usp"}
@@ -27,12 +30,16 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "DispatchPlan",
+    "Mask",
     "broadcast",
     "broadcast_split_tensor",
     "cat_outputs_cp",
     "cat_outputs_cp_object_list",
     "cat_outputs_cp_with_grad",
+    "dispatch",
     "heads_to_seq",
+    "plan_dispatch",
     "release_gather_workspace",
     "ring_attention",
     "robust_broadcast",
@@ -42,5 +49,6 @@ __all__ = [
     "split_inputs_cp",
     "split_inputs_cp_object_list",
     "ulysses_attention",
+    "undispatch",
     "usp_attention",
 ]

@@ -149,14 +149,15 @@ def _gather_dim(what: str, x: torch.Tensor, seq_dim: int, cp_group: Any, length:
     return dim, None
 
 
-def agree_shards(what: str, x: torch.Tensor, seq_dim: int, dim: int, group: Any, length: int | None
-                 ) -> tuple[int, ...]:
+def agree_shards(what: str, x: torch.Tensor, seq_dim: int, dim: int, group: Any, length: int | None, *,
+                 sizes: tuple[int, ...] | None = None, fix: str | None = None) -> tuple[int, ...]:
     """Every rank's shard size along ``dim``, after checking on every rank alike that the shards fit together.
 
     One all-gather of a small header per rank (shape, dtype, device and ``length``). Raises the same
     ValueError on every rank when the ranks passed different lengths, shards differing in anything but
-    their size along ``dim``, or sizes other than ``shard_sizes(total, n)`` (``total`` = ``length``, or
-    the sum of the sizes when it is None): nobody is left waiting in the data collective.
+    their size along ``dim``, or sizes other than ``sizes`` (default ``shard_sizes(total, n)``, ``total`` =
+    ``length``, or the sum of the sizes when it is None): nobody is left waiting in the data collective.
+    ``fix`` replaces the message's advice for a wrong size.
     """
     n = group.size()
     device = meta_device(group)
@@ -190,15 +191,16 @@ def agree_shards(what: str, x: torch.Tensor, seq_dim: int, dim: int, group: Any,
         raise ValueError(f"{what}: a sequence of length {total} along seq_dim={seq_dim} cannot be split over a "
                          f"group of size {n} with at least one element per rank (shard sizes {got_sizes}); use "
                          f"a group of at most {total} ranks or a longer sequence")
-    want = shard_sizes(total, n)
+    want = shard_sizes(total, n) if sizes is None else tuple(sizes)
     if got_sizes != want:
         bad = "; ".join(f"{who(i)} holds {g}, expected {w}"
                         for i, (g, w) in enumerate(zip(got_sizes, want, strict=True)) if g != w)
         source = f"length={length}" if length is not None else f"the sizes' sum, {total}"
+        rule = f"shard_sizes({total}, {n}) = {want}" if sizes is None else f"{want}"
+        fix = fix or "give rank i the shard split_inputs_cp(x, seq_dim, group, uneven=True) gives it"
         raise ValueError(
             f"{what}: the shard sizes along seq_dim={seq_dim} are {got_sizes}, but a length of {total} ({source}) "
-            f"splits over {n} ranks as shard_sizes({total}, {n}) = {want}: {bad}; give rank i the shard "
-            f"split_inputs_cp(x, seq_dim, group, uneven=True) gives it")
+            f"splits over {n} ranks as {rule}: {bad}; {fix}")
     return want
 
 

@@ -5,12 +5,13 @@ arguments, defaults, answers and rank layout (positional orders as the release i
 ``megatron_release()``), and megatron-core's ``ProcessGroupCollection``. The names are re-exported
 here from five layers, each importing only those below it (``lint-imports`` checks it; see
 docs/architecture.md): ``topology`` (pure arithmetic: the plan of every group kind,
-``RankGenerator``, the latent split, the context-parallel planner), ``groups`` (creating, checking,
-caching and destroying torch process groups; the table of kinds; the live state), ``megatron``
-(``initialize_model_parallel``, precomputed answers and megatron-core's accessors, its private
-globals, the bridge, memory buffers, ``find_split`` / ``cp_size_t``), ``runtime`` (``dist_init``,
-launchers, ``DistributedManager``, the resolvers, DeviceMesh views, logging) and ``tools`` (``python
--m parallel_state``), with the exceptions in ``errors``.
+``RankGenerator``, the latent split, the context-parallel planner, attention masks and the balanced
+dispatch plan), ``groups`` (creating, checking, caching and destroying torch process groups; the
+table of kinds; the live state), ``megatron`` (``initialize_model_parallel``, precomputed answers
+and megatron-core's accessors, its private globals, the bridge, memory buffers, ``find_split`` /
+``cp_size_t``), ``runtime`` (``dist_init``, launchers, ``DistributedManager``, the resolvers,
+DeviceMesh views, logging) and ``tools`` (``python -m parallel_state``), with the exceptions in
+``errors``.
 """
 
 #: megatron-core re-exports it from its module; code reaches it there.
@@ -152,7 +153,9 @@ from parallel_state.runtime.log import print_per_rank, print_rank_0  # noqa: F40
 from parallel_state.runtime.manager import DistributedManager  # noqa: F401
 from parallel_state.runtime.mesh import device_mesh, fsdp_mesh  # noqa: F401
 from parallel_state.runtime.resolve import collective_device, resolve_global_rank, resolve_world_size  # noqa: F401
+from parallel_state.topology.attention_mask import AttentionMask  # noqa: F401
 from parallel_state.topology.cp_plan import ContextParallelPlan, plan_context_parallel, shard_sizes  # noqa: F401
+from parallel_state.topology.dispatch_plan import DispatchPlan, plan_dispatch  # noqa: F401
 from parallel_state.topology.init_arguments import InitArguments  # noqa: F401
 from parallel_state.topology.plan import (  # noqa: F401
     DEFAULT_ORDER,

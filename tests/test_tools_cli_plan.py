@@ -170,6 +170,19 @@ BAD = [
     (_argv(8, 1, 8, 1, None, "--video-shape", "1,16,21,60,104", "--heads", "12", "--kv-heads", "5"),
      "num_kv_heads=5 must be >= 1 and divide num_heads=12"),
     (_argv(8, 1, 8, 1, None, "--video-shape", "1,16,1,4,4", "--heads", "12"), "4 tokens per view"),
+    (_argv(8, 1, 8, 1, None, "--video-shape", "1,16,21,60,104", "--mask", "causal"), "--mask plans a masked"),
+    (_argv(8, 1, 8, 1, None, "--video-shape", "1,16,21,60,104", "--heads", "12", "--head-dim", "64"),
+     "--head-dim and --dtype size the masked attention's bytes per rank: give --mask too"),
+    (_argv(8, 1, 8, 1, None, "--video-shape", "1,16,21,60,104", "--heads", "12", "--mask", "chunk_causal:0"),
+     "--mask: AttentionMask('chunk_causal'): chunk must be >= 1, got 0"),
+    (_argv(8, 1, 8, 1, None, "--video-shape", "1,16,21,60,104", "--heads", "12", "--mask", "diagonal"),
+     "use full, causal, chunk_causal:CHUNK"),
+    (_argv(8, 1, 8, 1, None, "--video-shape", "1,16,21,60,104", "--heads", "12", "--mask", "packed:7f+7f"),
+     "the packed segments add up to 21840 tokens but the sequence has 32760"),
+    (_argv(8, 1, 8, 1, None, "--video-shape", "1,16,21,60,104", "--heads", "12", "--mask", "causal", "--head-dim",
+           "0"), "--head-dim must be >= 1, got 0"),
+    (_argv(8, 1, 8, 1, None, "--video-shape", "1,16,21,60,104", "--heads", "12", "--mask", "causal", "--dtype",
+           "int3"), "argument --dtype: invalid choice: 'int3'"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     ([], "the following arguments are required: {plan,demo}"),
 ]
@@ -309,3 +322,33 @@ def test_plan_heads_prints_the_context_parallel_plan(capsys):
     assert code == 0 and plan["num_kv_heads"] == 8 and plan["uneven"] is True
     assert plan["tokens_per_rank"] == [1097] * 14 + [1096] * 2 and "replicated to 16" in plan["description"]
     assert "cp_size_t" not in vars(ps)
+
+
+def test_plan_mask_reports_work_and_bytes_balanced_beside_contiguous(capsys):
+    # Wan2.1-1.3B at 480p on cp 8, chunk-causal in chunks of 3 frames (1,560 tokens each), given in frames.
+    argv = _argv(8, 1, 8, 1, None, "--video-shape", "1,16,21,60,104", "--heads", "12", "--mask", "chunk_causal:3f")
+    code, out, err = _run(capsys, argv + ["--json", "--head-dim", "64", "--dtype", "float32"])
+    assert code == 0 and err == ""
+    got = json.loads(out)["cp_plan"]
+    mask = ps.AttentionMask.chunk_causal(4680)
+    want = ps.plan_context_parallel((1, 16, 21, 60, 104), 8, 12, mask=mask)
+    assert got["description"] == want.describe()
+    assert {k: got["mask"][k] for k in ("spec", "description", "dtype", "head_dim")} == {
+        "spec": "chunk_causal:4680", "description": mask.describe(), "dtype": "float32", "head_dim": 64}
+    for method in ("balanced", "contiguous"):
+        plan = want.dispatch_plan(method)
+        assert got["mask"][method] == {
+            "work": list(plan.work), "balance": plan.balance, "runs": [[list(r) for r in runs] for runs in plan.runs],
+            "bytes": list(want.masked_bytes_per_rank("float32", 64, method=method))}
+    assert got["mask"]["contiguous"]["runs"] == [[[4095 * r, 4095 * (r + 1)]] for r in range(8)]
+    code, out, err = _run(capsys, argv)
+    assert code == 0 and err == ""
+    assert "Masked attention chunk_causal:4680 (chunk-causal, chunks of 4680 tokens)" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().split()[:1] in (["0"], ["7"], ["max/mean"])]
+    table = {r[0]: r for r in rows if len(r) >= 5}
+    b, c = want.balanced, want.contiguous
+    assert table["7"][1:5] == ["4095", str(len(b.runs[7])), str(b.work[7]), str(c.work[7])]
+    assert table["max/mean"][1:3] == [f"{b.balance:.4f}", f"{c.balance:.4f}"] and c.balance > 1.7
+    # without --mask the report is what it was: no mask member, no masked table
+    code, out, _ = _run(capsys, _argv(8, 1, 8, 1, None, "--video-shape", "1,16,21,60,104", "--heads", "12", "--json"))
+    assert code == 0 and "mask" not in json.loads(out)["cp_plan"]

@@ -137,6 +137,59 @@ def test_bad_inputs_are_explained():
         plan.ring_size = 3  # type: ignore[misc]
 
 
+def test_masked_plans_and_bytes():
+    """Wan2.1 480p (32,760 tokens, 12 heads) at cp 8 (Ulysses 4 x ring 2) with a mask: the plans are plan_dispatch's,
+    the bytes are worked out by hand (Ulysses share + K/V of the ring blocks a rank's queries may see)."""
+    shape, d = (1, 16, 21, 60, 104), 64
+    mask = ps.AttentionMask.chunk_causal(3 * 1560)
+    plan = plan_context_parallel(shape, 8, 12, mask=mask)
+    assert plan.mask == mask and plan.balanced == ps.plan_dispatch(mask, 32760, 8)
+    assert plan.contiguous == ps.plan_dispatch(mask, 32760, 8, method="contiguous")
+    assert plan.dispatch_plan() is plan.balanced and plan.dispatch_plan("contiguous") is plan.contiguous
+    assert plan.balanced.balance <= 1.001 and plan.contiguous.balance == pytest.approx(1.75, abs=1e-3)
+    text = plan.describe()
+    assert "Mask chunk_causal:4680" in text and f"{plan.balanced.balance:.4f}x" in text and "1.7500x" in text
+    ulysses = 4095 * (2 * 12 + 2 * 12) * d * 3 // 4
+    ring = 2 * 16380 * (12 // 4) * d  # the other ring block's K and V, 3 heads per Ulysses rank
+    # chunk 3 straddles the two ring blocks, so both blocks see the other's keys under either plan
+    assert plan.masked_bytes_per_rank(2, d) == (2 * (ulysses + ring),) * 8
+    assert plan.masked_bytes_per_rank("bfloat16", d, method="contiguous") == (2 * (ulysses + ring),) * 8
+    # token-causal, contiguous: ring block 0 (ranks 0-3) sees nothing of block 1; balanced: everyone sees both
+    causal = plan_context_parallel(shape, 8, 12, mask=ps.AttentionMask.causal())
+    assert causal.masked_bytes_per_rank(2, d, method="contiguous") == (2 * ulysses,) * 4 + (2 * (ulysses + ring),) * 4
+    assert causal.masked_bytes_per_rank(torch.bfloat16, d, batch=3) == (6 * (ulysses + ring),) * 8
+    # against the dense matrix on a small latent: 4 frames of 4 tokens, each frame sees only itself, cp 4 = 2 x 2
+    small = plan_context_parallel((1, 1, 4, 2, 2), 4, 2, patch_values=(1, 1, 1),
+                                  mask=ps.AttentionMask.sliding_window(4, 1))
+    dense = small.mask.dense(16)
+    for method in ("balanced", "contiguous"):
+        dp = small.dispatch_plan(method)
+        blocks = [sum(dp.positions[2 * j:2 * j + 2], ()) for j in range(2)]
+        got = small.masked_bytes_per_rank(1, 1, method=method)
+        for c in range(4):
+            i = c // 2
+            need = [j for j in range(2) if j != i and bool(dense[list(blocks[i])][:, list(blocks[j])].any())]
+            assert got[c] == dp.sizes[c] * 8 * 1 // 2 + sum(2 * len(blocks[j]) * 1 for j in need), (method, c)
+    assert plan_context_parallel(shape, 8, 12).mask is None
+
+
+def test_masked_plan_errors():
+    shape = (1, 16, 21, 60, 104)
+    with pytest.raises(TypeError, match="plan_context_parallel: mask must be an AttentionMask"):
+        plan_context_parallel(shape, 8, 12, mask="causal")
+    with pytest.raises(ValueError, match="plan_context_parallel: one view has 32760 tokens .21 frames of 1560.: "
+                                         ".*segments add up to 3120 tokens"):
+        plan_context_parallel(shape, 8, 12, mask=ps.AttentionMask.packed([1560, 1560]))
+    plain = plan_context_parallel(shape, 8, 12)
+    with pytest.raises(ValueError, match="this plan has no attention mask"):
+        plain.masked_bytes_per_rank(2, 64)
+    masked = plan_context_parallel(shape, 8, 12, mask=ps.AttentionMask.causal())
+    with pytest.raises(ValueError, match="method='zigzag' is not 'balanced' or 'contiguous'"):
+        masked.dispatch_plan("zigzag")
+    with pytest.raises(ValueError, match="head_dim and batch must be >= 1"):
+        masked.masked_bytes_per_rank(2, 0)
+
+
 def test_planner_module_is_pure():
     """No torch.distributed, no torch at all: the planner imports and runs in a bare interpreter."""
     import subprocess

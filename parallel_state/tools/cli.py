@@ -5,7 +5,8 @@ coordinates and, for a video latent, how context parallelism splits it. ``demo``
 lifecycle on local CPU ranks (see ``parallel_state.tools.demo``).
 
 With ``--heads`` (and ``--kv-heads``) ``plan`` also prints the context-parallel plan of the latent
-(``plan_context_parallel``: Ulysses x ring sizes, tokens per rank, uneven or not).
+(``plan_context_parallel``: Ulysses x ring sizes, tokens per rank, uneven or not); with ``--mask``
+also each rank's attention work and K/V bytes under the balanced plan and the contiguous split.
 
 Exit codes: 0 success; 1 a check failed (``plan``: the latent cannot be split with this cp size and
 no ``--heads`` plan covers it with an uneven split; ``demo``: a rank's check failed); 2 invalid
@@ -29,6 +30,7 @@ from parallel_state.tools.plan_report import (  # noqa: F401  (re-exported: the 
     find_split_quietly,
     int_list,
     make_plan,
+    parse_mask,
     rank_list,
     split_report,
 )
@@ -48,6 +50,8 @@ PLAN_KINDS: dict[str, str] = {
     "tp-cp": "tensor + context parallel",
 }
 SIZE_KEYS: tuple[str, ...] = ("tp", "cp", "pp", "dp")
+#: The element types --dtype takes (the names ContextParallelPlan's byte counts know).
+_DTYPES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
 
 class _Parser(argparse.ArgumentParser):
     # argparse prints the usage block and exits; we want one line and our exit code.
@@ -58,8 +62,8 @@ class _Parser(argparse.ArgumentParser):
 # ----------------------------------------------------------------------------- plan output
 
 
-def plan_dict(plan: TopologyPlan, split: SplitReport | None = None,
-              cp_plan: ContextParallelPlan | None = None) -> dict[str, Any]:
+def plan_dict(plan: TopologyPlan, split: SplitReport | None = None, cp_plan: ContextParallelPlan | None = None,
+              dtype: str = "bfloat16", head_dim: int = 128) -> dict[str, Any]:
     """The ``plan --json`` object (``cp_plan`` only when ``--heads`` was given)."""
     out: dict[str, Any] = {
         "world_size": plan.world_size,
@@ -75,13 +79,13 @@ def plan_dict(plan: TopologyPlan, split: SplitReport | None = None,
         else:
             out["split_error"] = {"message": split.error, "suggested_cp_sizes": split.suggested_cp_sizes}
     if cp_plan is not None:
-        out["cp_plan"] = cp_plan_dict(cp_plan)
+        out["cp_plan"] = cp_plan_dict(cp_plan, dtype, head_dim)
     return out
 
 
-def cp_plan_dict(cp_plan: ContextParallelPlan) -> dict[str, Any]:
-    """The ``cp_plan`` member of ``plan --json``."""
-    return {
+def cp_plan_dict(cp_plan: ContextParallelPlan, dtype: str = "bfloat16", head_dim: int = 128) -> dict[str, Any]:
+    """The ``cp_plan`` member of ``plan --json`` (with ``"mask"`` when the plan has one; bytes in ``dtype``)."""
+    out = {
         "cp_size": cp_plan.cp_size, "num_heads": cp_plan.num_heads, "num_kv_heads": cp_plan.num_kv_heads,
         "token_grid": list(cp_plan.token_grid), "tokens": cp_plan.tokens,
         "ulysses_size": cp_plan.ulysses_size, "ring_size": cp_plan.ring_size,
@@ -90,6 +94,17 @@ def cp_plan_dict(cp_plan: ContextParallelPlan) -> dict[str, Any]:
         "find_split": None if cp_plan.find_split is None else list(cp_plan.find_split),
         "cp_size_t": cp_plan.cp_size_t, "description": cp_plan.describe(),
     }
+    if cp_plan.mask is not None:
+        out["mask"] = {"spec": str(cp_plan.mask), "description": cp_plan.mask.describe(), "dtype": dtype,
+                       "head_dim": head_dim}
+        for method in ("balanced", "contiguous"):
+            plan = cp_plan.dispatch_plan(method)
+            out["mask"][method] = {
+                "work": list(plan.work), "balance": plan.balance,
+                "runs": [[list(run) for run in runs] for runs in plan.runs],
+                "bytes": list(cp_plan.masked_bytes_per_rank(dtype, head_dim, method=method)),
+            }
+    return out
 
 
 def format_cp_plan(cp_plan: ContextParallelPlan) -> str:
@@ -102,6 +117,30 @@ def format_cp_plan(cp_plan: ContextParallelPlan) -> str:
                       cp_plan.ring_size, cp_plan.tokens, tokens]])
     lines += textwrap.wrap(cp_plan.describe(), 100, initial_indent="  ", subsequent_indent="  ",
                            break_long_words=False, break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+def format_masked(cp_plan: ContextParallelPlan, dtype: str = "bfloat16", head_dim: int = 128) -> str:
+    """Each rank's tokens, runs, attention work and K/V bytes received, balanced plan beside contiguous split."""
+    b, c = cp_plan.dispatch_plan("balanced"), cp_plan.dispatch_plan("contiguous")
+    b_bytes = cp_plan.masked_bytes_per_rank(dtype, head_dim, method="balanced")
+    c_bytes = cp_plan.masked_bytes_per_rank(dtype, head_dim, method="contiguous")
+    mib = 1 << 20
+    lines = [f"Masked attention {cp_plan.mask} ({cp_plan.mask.describe()})",
+             "  balanced plan (cp.plan_dispatch) beside the contiguous split"]
+    rows = [[r, b.sizes[r], len(b.runs[r]), b.work[r], c.work[r], f"{b_bytes[r] / mib:.1f}", f"{c_bytes[r] / mib:.1f}"]
+            for r in range(cp_plan.cp_size)]
+    rows.append(["max/mean", "", "", f"{b.balance:.4f}", f"{c.balance:.4f}",
+                 f"{max(b_bytes) * cp_plan.cp_size / max(1, sum(b_bytes)):.4f}",
+                 f"{max(c_bytes) * cp_plan.cp_size / max(1, sum(c_bytes)):.4f}"])
+    lines += _table(("rank", "tokens", "runs", "work balanced", "work contiguous", "recv MiB balanced",
+                     "recv MiB contiguous"), rows)
+    lines += textwrap.wrap(
+        f"work: allowed (query, key) pairs of the rank's queries; runs: contiguous runs of tokens the balanced "
+        f"plan gives the rank; recv MiB: what the rank receives per forward call in {dtype} with head dim "
+        f"{head_dim} (its Ulysses all-to-all share and the K/V of every ring block its queries may see). The step "
+        f"waits for the busiest rank: {b.balance:.4f}x the mean work balanced, {c.balance:.4f}x contiguous.",
+        100, initial_indent="  ", subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
     return "\n".join(lines)
 
 
@@ -174,6 +213,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     split = cp_plan = None
     if args.kv_heads is not None and args.heads is None:
         raise CliError("--kv-heads needs --heads (the number of q heads)")
+    if args.mask is not None and args.heads is None:
+        raise CliError("--mask plans a masked attention's work per rank: give --video-shape B,C,T,H,W and --heads too")
+    if (args.head_dim is not None or args.dtype is not None) and args.mask is None:
+        raise CliError("--head-dim and --dtype size the masked attention's bytes per rank: give --mask too")
+    head_dim = 128 if args.head_dim is None else args.head_dim
+    dtype = "bfloat16" if args.dtype is None else args.dtype
+    if head_dim < 1:
+        raise CliError(f"--head-dim must be >= 1, got {head_dim}")
     if args.video_shape is None:
         if args.patch is not None or args.view_factor is not None:
             raise CliError("--patch and --view-factor describe a video latent: give --video-shape B,C,T,H,W too")
@@ -190,6 +237,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             try:
                 cp_plan = plan_context_parallel(shape, plan.cp, args.heads, patch_values=patch,
                                                 num_kv_heads=args.kv_heads, view_factor=view_factor)
+                if args.mask is not None:
+                    frame = cp_plan.token_grid[1] * cp_plan.token_grid[2]
+                    cp_plan = plan_context_parallel(shape, plan.cp, args.heads, patch_values=patch,
+                                                    num_kv_heads=args.kv_heads, view_factor=view_factor,
+                                                    mask=parse_mask("--mask", args.mask, frame))
             except (ValueError, TypeError) as exc:
                 raise CliError(str(exc)) from None
     if args.svg:
@@ -200,7 +252,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise CliError(f"cannot write --svg {args.svg}: {exc.strerror or exc}") from None
     if args.json:
-        print(json.dumps(plan_dict(plan, split, cp_plan)))
+        print(json.dumps(plan_dict(plan, split, cp_plan, dtype, head_dim)))
     else:
         print(format_plan(plan))
         if split is not None:
@@ -209,6 +261,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if cp_plan is not None:
             print()
             print(format_cp_plan(cp_plan))
+            if cp_plan.mask is not None:
+                print()
+                print(format_masked(cp_plan, dtype, head_dim))
         if args.svg:
             print(f"\nLayout picture written to {args.svg}")
     # A --heads plan covers a grid find_split cannot split evenly (the uneven flattened split).
@@ -243,6 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, metavar="H",
                    help="attention heads: also plan Ulysses x ring and tokens per rank for --video-shape at --cp")
     p.add_argument("--kv-heads", type=int, metavar="K", help="K/V heads for GQA/MQA (default: --heads)")
+    p.add_argument("--mask", metavar="SPEC",
+                   help="attention mask over one view's tokens, with --heads: full, causal, chunk_causal:CHUNK, "
+                   "sliding_window:CHUNK,WINDOW (WINDOW in chunks), packed:L1+L2+... or packed:L1+L2+...,CHUNK; "
+                   "token counts, or frames with a trailing f (chunk_causal:3f); also prints each rank's "
+                   "attention work and K/V bytes, balanced plan vs contiguous split")
+    p.add_argument("--head-dim", type=int, metavar="D", help="head dim for --mask's bytes (default 128)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), help="element type for --mask's bytes (default bfloat16)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--svg", metavar="FILE", help="also draw the layout as an SVG picture")
     p.set_defaults(func=_cmd_plan)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from parallel_state.errors import ParallelStateError
+from parallel_state.topology.attention_mask import AttentionMask
 from parallel_state.topology.plan import TopologyPlan
 from parallel_state.topology.split import split_latent
 
@@ -53,6 +54,14 @@ def rank_list(flag: str, text: str) -> tuple[int, ...]:
     if len(set(ranks)) != len(ranks) or min(ranks) < 0:
         raise CliError(f"{flag} {text!r} names a rank twice or a negative rank; name each global rank once")
     return tuple(sorted(ranks))
+
+
+def parse_mask(flag: str, spec: str, frame_tokens: int) -> AttentionMask:
+    """Parse ``--mask``'s text (``AttentionMask.parse``; ``f`` counts frames of ``frame_tokens``) or raise CliError."""
+    try:
+        return AttentionMask.parse(spec, frame_tokens=frame_tokens)
+    except (ValueError, TypeError) as exc:
+        raise CliError(f"{flag}: {exc}") from None
 
 
 def make_plan(world_size: int, tp: int, cp: int, pp: int, order: str,

@@ -2,6 +2,8 @@
 
 The rank grid and its group kinds (``grid``, ``plan``), megatron-core's ``RankGenerator``
 (``rank_generator``), ``find_split``'s divisibility rule (``split``), the context-parallel
-planner and the uneven-shard rule (``cp_plan``) and argument checks
-(``arguments``). Imports nothing of ``parallel_state`` but ``parallel_state.errors``.
+planner and the uneven-shard rule (``cp_plan``), attention masks as values
+(``attention_mask``), the load-balanced assignment of a masked sequence's tokens to cp ranks
+(``dispatch_plan``) and argument checks (``arguments``). Imports nothing of ``parallel_state``
+but ``parallel_state.errors``.
 """

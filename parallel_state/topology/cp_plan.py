@@ -2,8 +2,12 @@
 
 Pure integer arithmetic (no torch.distributed, no recorded state): the Ulysses x ring factorisation
 of the cp size, the tokens each rank holds, whether ``find_split`` splits the grid evenly, and the
-attention traffic per rank. Also home of ``shard_sizes``, the uneven-shard rule every cp helper uses
-(``cp.shard_sizes`` is this function).
+attention traffic per rank. ``shard_sizes``, the uneven-shard rule every cp helper uses
+(``cp.shard_sizes`` is this function), lives in ``shards`` and is re-exported here.
+
+With an attention mask (``mask=``, an ``AttentionMask`` over one view's tokens) the plan also holds
+the balanced ``DispatchPlan`` and the contiguous split of those tokens, so each rank's attention
+work and the K/V bytes it must receive can be compared before any process starts.
 
 How the heads decide the factorisation: Ulysses over ``u`` ranks needs q's heads divisible by ``u``,
 so ``ulysses_size`` is the largest divisor of the cp size that divides the heads, and the ring takes
@@ -18,31 +22,28 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from parallel_state.topology.attention_mask import AttentionMask
+from parallel_state.topology.dispatch_plan import DispatchPlan, plan_dispatch
+from parallel_state.topology.shards import shard_sizes
 from parallel_state.topology.split import Latent, _int, check_latent, grid_split
-
-
-def shard_sizes(length: int, n: int) -> tuple[int, ...]:
-    """Each rank's shard length when ``length`` elements split into ``n`` contiguous shards.
-
-    Follows ``torch.tensor_split``: the first ``length % n`` shards hold one element more than
-    the rest, so the sizes sum to ``length`` and differ by at most one.
-    """
-    for name, value in (("length", length), ("n", n)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"shard_sizes: {name} must be an int, got {type(value).__name__} {value!r}")
-    if n < 1:
-        raise ValueError(f"shard_sizes: n={n} must be at least 1 (the number of ranks in the group)")
-    if length < n:
-        raise ValueError(
-            f"shard_sizes: cannot split {length} elements into {n} shards of at least one element each; "
-            f"use a group of at most {length} ranks or a longer sequence"
-        )
-    base, extra = divmod(length, n)
-    return tuple(base + 1 if i < extra else base for i in range(n))
-
 
 #: Bytes per element of the dtypes a plan is usually sized for, by name (a torch.dtype works too).
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def _itemsize(what: str, dtype: Any) -> int:
+    """Bytes per element of ``dtype``: a torch.dtype, its name ("bfloat16") or the size in bytes."""
+    if isinstance(dtype, int) and not isinstance(dtype, bool):
+        return dtype
+    if isinstance(dtype, str):
+        if dtype not in _ITEMSIZE:
+            raise ValueError(f"{what}: unknown dtype name {dtype!r}; use one of {sorted(_ITEMSIZE)}, "
+                             f"a torch.dtype or the element size in bytes")
+        return _ITEMSIZE[dtype]
+    if isinstance(getattr(dtype, "itemsize", None), int):
+        return dtype.itemsize
+    raise TypeError(f"{what}: dtype must be a torch.dtype, a dtype name or an int byte size, "
+                    f"got {type(dtype).__name__} {dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,11 @@ class ContextParallelPlan:
     #: find_split's per-rank [T', H', W] and its temporal factor when the grid splits evenly, else None.
     find_split: tuple[int, int, int] | None
     cp_size_t: int | None
+    #: The attention mask over one view's tokens (None: no mask given), and the plans of those tokens:
+    #: ``balanced`` (plan_dispatch's default) and ``contiguous`` (the tensor_split layout).
+    mask: AttentionMask | None = None
+    balanced: DispatchPlan | None = None
+    contiguous: DispatchPlan | None = None
 
     @property
     def hierarchical_context_parallel_sizes(self) -> list[int]:
@@ -94,18 +100,7 @@ class ContextParallelPlan:
         (``s * u`` tokens, ``K / u`` heads) on ``r - 1`` times, ``2 * (r - 1) * s * K * head_dim``.
         Times ``batch * e``. ``dtype``: a torch.dtype, its name ("bfloat16") or the element size in bytes.
         """
-        if isinstance(dtype, int) and not isinstance(dtype, bool):
-            size = dtype
-        elif isinstance(dtype, str):
-            if dtype not in _ITEMSIZE:
-                raise ValueError(f"bytes_per_rank: unknown dtype name {dtype!r}; use one of {sorted(_ITEMSIZE)}, "
-                                 f"a torch.dtype or the element size in bytes")
-            size = _ITEMSIZE[dtype]
-        elif isinstance(getattr(dtype, "itemsize", None), int):
-            size = dtype.itemsize
-        else:
-            raise TypeError(f"bytes_per_rank: dtype must be a torch.dtype, a dtype name or an int byte size, "
-                            f"got {type(dtype).__name__} {dtype!r}")
+        size = _itemsize("bytes_per_rank", dtype)
         head_dim, batch = _int("head_dim", head_dim, "bytes_per_rank"), _int("batch", batch, "bytes_per_rank")
         if size < 1 or head_dim < 1 or batch < 1:
             raise ValueError(f"bytes_per_rank: element size, head_dim and batch must be >= 1, got {size}, "
@@ -115,6 +110,45 @@ class ContextParallelPlan:
         ulysses = s * (2 * heads + 2 * kv) * head_dim * (u - 1) // u
         ring = 2 * (r - 1) * s * kv * head_dim
         return (ulysses + ring) * batch * size
+
+    def dispatch_plan(self, method: str = "balanced") -> DispatchPlan:
+        """The ``balanced`` or ``contiguous`` DispatchPlan of one view's tokens under ``mask``; ValueError without a mask."""
+        plan = {"balanced": self.balanced, "contiguous": self.contiguous}.get(method, False)
+        if plan is False:
+            raise ValueError(f"dispatch_plan: method={method!r} is not 'balanced' or 'contiguous'")
+        if plan is None:
+            raise ValueError("this plan has no attention mask: call plan_context_parallel(..., mask=AttentionMask...) "
+                             "to plan the work and bytes of a masked attention")
+        return plan
+
+    def masked_bytes_per_rank(self, dtype: Any, head_dim: int, batch: int = 1, *,
+                              method: str = "balanced") -> tuple[int, ...]:
+        """Bytes each cp rank receives per masked attention call (forward) under the ``method`` plan, in rank order.
+
+        Its Ulysses all-to-all share, ``s_c * (2H + 2K) * head_dim * (u - 1) / u`` for its own ``s_c``
+        tokens, plus the K and V (``K / u`` heads each) of every other ring block that a query of its
+        ring block may see: a block no query may see is neither sent nor computed by a mask-aware ring.
+        Ring block j is cp ranks ``j*u .. j*u+u-1`` (cp rank = ring rank * u + Ulysses rank). Times
+        ``batch * e``; ``dtype`` as in bytes_per_rank. ValueError when the plan has no mask.
+        """
+        plan = self.dispatch_plan(method)
+        size = _itemsize("masked_bytes_per_rank", dtype)
+        head_dim = _int("head_dim", head_dim, "masked_bytes_per_rank")
+        batch = _int("batch", batch, "masked_bytes_per_rank")
+        if size < 1 or head_dim < 1 or batch < 1:
+            raise ValueError(f"masked_bytes_per_rank: element size, head_dim and batch must be >= 1, got {size}, "
+                             f"{head_dim}, {batch}")
+        u, r, heads, kv = self.ulysses_size, self.ring_size, self.num_heads, self.kv_heads_sent
+        pairs = plan.pairs()
+        block = [sum(plan.sizes[j * u:(j + 1) * u]) for j in range(r)]
+        sees = [[any(pairs[a][b] for a in range(i * u, (i + 1) * u) for b in range(j * u, (j + 1) * u))
+                 for j in range(r)] for i in range(r)]
+        out = []
+        for c, s in enumerate(plan.sizes):
+            i = c // u
+            ring = sum(2 * block[j] * (kv // u) * head_dim for j in range(r) if j != i and sees[i][j])
+            out.append((s * (2 * heads + 2 * kv) * head_dim * (u - 1) // u + ring) * batch * size)
+        return tuple(out)
 
     def describe(self) -> str:
         """One paragraph: the layout, the factorisation, the tokens per rank and how to set it up."""
@@ -143,23 +177,34 @@ class ContextParallelPlan:
                       "with cp.split_inputs_cp(x, seq_dim, group, uneven=True)")
         if self.uneven:
             layout += f" (pass length={self.tokens} to the attention and the gather)"
+        masked = ""
+        if self.balanced is not None and self.contiguous is not None and self.mask is not None:
+            b, c = self.balanced, self.contiguous
+            runs = max(len(x) for x in b.runs)
+            masked = (f" Mask {self.mask} ({self.mask.describe()}): the balanced plan (cp.plan_dispatch) gives the "
+                      f"busiest rank {b.balance:.4f}x the mean attention work, in at most {runs} "
+                      f"run{'s' * (runs != 1)} of tokens per rank, where the contiguous split gives {c.balance:.4f}x; "
+                      f"move tokens with cp.dispatch and pass plan= to the attention.")
         return (f"Latent {list(self.shape)} with patch {list(self.patch_values)} and view factor {self.view_factor} "
                 f"is a {t} x {h} x {w} grid of {self.tokens} tokens; {self.num_heads} heads{kv} at cp {self.cp_size}: "
                 f"{method}, hierarchical_context_parallel_sizes={self.hierarchical_context_parallel_sizes}; "
-                f"{counts}; {layout}.")
+                f"{counts}; {layout}.{masked}")
 
 
 def plan_context_parallel(shape: Sequence[int], cp_size: int, num_heads: int, *,
                           patch_values: Sequence[int] = (1, 2, 2), num_kv_heads: int | None = None,
-                          view_factor: int = 1) -> ContextParallelPlan:
+                          view_factor: int = 1, mask: AttentionMask | None = None) -> ContextParallelPlan:
     """Plan context parallelism for a [B, C, T, H, W] latent and an attention with ``num_heads`` heads.
 
     Works for every ``cp_size >= 1`` and every latent with at least ``cp_size`` tokens per view (T, H
     and W must divide by their patch sizes, T by ``view_factor``). ``ulysses_size`` is the largest
     divisor of ``cp_size`` that divides ``num_heads``; ``num_kv_heads`` (default ``num_heads``) must
     divide ``num_heads`` and does not narrow it (see the module doc). ``find_split`` is the grid answer
-    when the grid splits evenly, computed without recording ``cp_size_t``. ValueError / TypeError for
-    bad input, naming it.
+    when the grid splits evenly, computed without recording ``cp_size_t``. ``mask``: an
+    ``AttentionMask`` over one view's ``tokens`` (a packed mask's segments must sum to them; a frame is
+    ``H // pH * W // pW`` tokens); the plan then holds the balanced and contiguous ``DispatchPlan``s
+    (``work`` and ``balance`` per rank) and ``masked_bytes_per_rank``. ValueError / TypeError for bad
+    input, naming it.
     """
     what = "plan_context_parallel"
     latent, cp_size = check_latent(shape, cp_size, patch_values, view_factor, what=what)
@@ -175,6 +220,17 @@ def plan_context_parallel(shape: Sequence[int], cp_size: int, num_heads: int, *,
     if tokens < cp_size:
         raise ValueError(f"{what}: the latent has {tokens} tokens per view ({grid[0]} x {grid[1]} x {grid[2]}), "
                          f"fewer than cp_size={cp_size}: every rank needs at least one; use cp_size <= {tokens}")
+    balanced = contiguous = None
+    if mask is not None:
+        if not isinstance(mask, AttentionMask):
+            raise TypeError(f"{what}: mask must be an AttentionMask (cp.Mask) or None, got {type(mask).__name__}")
+        try:
+            mask.check_length(tokens)
+        except ValueError as exc:
+            raise type(exc)(f"{what}: one view has {tokens} tokens ({grid[0]} frames of {grid[1] * grid[2]}): "
+                            f"{exc}") from None
+        balanced = plan_dispatch(mask, tokens, cp_size)
+        contiguous = plan_dispatch(mask, tokens, cp_size, method="contiguous")
     ulysses = max(d for d in range(1, cp_size + 1) if cp_size % d == 0 and num_heads % d == 0)
     factors = grid_split(latent, cp_size)
     split = None
@@ -184,7 +240,7 @@ def plan_context_parallel(shape: Sequence[int], cp_size: int, num_heads: int, *,
         shape=latent.shape, cp_size=cp_size, num_heads=num_heads, num_kv_heads=kv, patch_values=latent.patch,
         view_factor=latent.view_factor, token_grid=grid, tokens=tokens, ulysses_size=ulysses,
         ring_size=cp_size // ulysses, tokens_per_rank=shard_sizes(tokens, cp_size), find_split=split,
-        cp_size_t=None if factors is None else factors[0])
+        cp_size_t=None if factors is None else factors[0], mask=mask, balanced=balanced, contiguous=contiguous)
 
 
 def _token_grid(what: str, latent: Latent) -> tuple[int, int, int]:
