@@ -127,7 +127,7 @@ def build(
     global _state
     import torch.distributed as dist
 
-    from parallel_state.groups.create import GroupBatch, destroy_groups, eager_nccl, subset_base
+    from parallel_state.groups.create import GroupBatch, eager_nccl, subset_base
 
     if _state is not None:
         raise ParallelStateAssertionError(
@@ -180,12 +180,7 @@ def build(
     except BaseException:
         state.groups.clear()  # hand every reference to destroy_groups, which frees the groups
         state.gloo_groups.clear()
-        used.clear()
-        try:
-            destroy_groups(batch.created)
-        except Exception:  # the build's own error is the one to report
-            pass
-        batch.close()
+        _abandon(batch, used)
         raise
     batch.close()
     state.owned = batch.created + used
@@ -200,7 +195,7 @@ def extend(plan: TopologyPlan, *, timeout: datetime.timedelta | None = None,
     """Build the kinds ``plan`` adds to the live plan (megatron-core 0.18's all-gather groups) and make
     ``plan`` the live one; return the added kinds. Their groups take ``timeout`` (default: the
     topology's). On any error the state is as it was."""
-    from parallel_state.groups.create import GroupBatch, destroy_groups, eager_nccl, subset_base
+    from parallel_state.groups.create import GroupBatch, eager_nccl, subset_base
 
     state = current("create_all_gather_groups")
     added = [k for k in plan.kinds if k not in state.plan.kinds]
@@ -220,17 +215,24 @@ def extend(plan: TopologyPlan, *, timeout: datetime.timedelta | None = None,
             state.groups.pop(kind, None)
             state.group_keys.pop(("main", kind), None)
         state.plan = previous
-        used.clear()
-        try:
-            destroy_groups(batch.created)
-        except Exception:  # the build's own error is the one to report
-            pass
-        batch.close()
+        _abandon(batch, used)
         raise
     batch.close()
     state.owned += batch.created + used
     _changed()
     return added
+
+
+def _abandon(batch: Any, used: list[Any]) -> None:
+    """Free the groups a failed build created (the build's own error is the one to report)."""
+    from parallel_state.groups.create import destroy_groups
+
+    used.clear()
+    try:
+        destroy_groups(batch.created)
+    except Exception:
+        pass
+    batch.close()
 
 
 def _create_kinds(state: ParallelState, batch: Any, work: list[tuple[str, str]], used: list[Any], *,
