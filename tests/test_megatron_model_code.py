@@ -5,9 +5,10 @@ topology, each piece of its model code below runs four times with the same seeds
 after megatron-core's own ``initialize_model_parallel``, reading the groups from its module
 globals and then taking them explicitly, and after ``parallel_state.initialize_model_parallel``
 (which bridges megatron-core's globals to this project's groups), the same two ways. Explicitly
-means ``tp_group=`` and ``pg_collection=`` built by ``ProcessGroupCollection.use_mpu_process_groups()``
-(on the bridged module for ours), which is how newer megatron-core model code receives its
-groups; where a piece wants a collection and has no global fallback (the MoE router and experts),
+means ``tp_group=`` and ``pg_collection=``: megatron-core's ``ProcessGroupCollection.use_mpu_process_groups()``
+on its own groups, ``parallel_state.process_group_collection()`` (megatron-core's class, filled from
+parallel_state's groups) on ours, which is how newer megatron-core model code receives its groups;
+where a piece wants a collection and has no global fallback (the MoE router and experts),
 the globals run uses megatron-core's own ``moe_utils.get_default_pg_collection()``. Outputs and
 gradients must be ``torch.equal``: the same groups give the same ranks, the same shards and the
 same reduction order, hence the same bits.
@@ -554,16 +555,14 @@ def _where_it_failed(exc):
 
 # --- the worker ---------------------------------------------------------------------------------------
 
-def _run_pieces(names, topology):
-    """Every piece twice: groups from megatron-core's globals, then passed explicitly."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
+def _run_pieces(names, topology, collection):
+    """Every piece twice: groups from megatron-core's globals, then passed explicitly (``collection()``)."""
     out = {}
     for name in names:
         fn = globals()[f"piece_{name}"]
         runs = [("", None)]
         if name not in NO_EXPLICIT_GROUPS:
-            runs.append(("[pg]", ProcessGroupCollection.use_mpu_process_groups()))
+            runs.append(("[pg]", collection()))
         for suffix, pg in runs:
             for key, value in fn(pg, topology).items():
                 out[f"{name}{suffix}.{key}"] = value.detach().clone() if isinstance(value, torch.Tensor) else value
@@ -574,6 +573,7 @@ def case_model_code(world, topology, names, blockers):
     """megatron-core's model code on its own groups, then on ours; then the CPU blockers, on ours."""
     import megatron.core.parallel_state as mps
     import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from torch.distributed import distributed_c10d as c10d
 
     with warnings.catch_warnings():
@@ -581,14 +581,15 @@ def case_model_code(world, topology, names, blockers):
         before = set(c10d._world.pg_map)
         mps.initialize_model_parallel(**topology)
         try:
-            theirs = _run_pieces(names, topology)
+            theirs = _run_pieces(names, topology, ProcessGroupCollection.use_mpu_process_groups)
         finally:
             # megatron-core's destroy frees only its gloo groups: free the rest for the next case.
             mps.destroy_model_parallel()
             for pg in set(c10d._world.pg_map) - before:
                 dist.destroy_process_group(pg)
         ps.initialize_model_parallel(**topology, timeout=SECONDS)  # bridges megatron-core by itself
-        ours = _run_pieces(names, topology)
+        # Ours: megatron-core's ProcessGroupCollection as parallel_state fills it from its own groups.
+        ours = _run_pieces(names, topology, ps.process_group_collection)
         failed = {}
         for name in blockers:
             try:
