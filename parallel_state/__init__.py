@@ -1,16 +1,17 @@
 """A Megatron-compatible parallel-state service: context- and pipeline-parallel process groups.
 
-Mirrors ``megatron.core.parallel_state`` 0.16: every public name, its arguments, defaults,
-answers and rank layout. The names are re-exported here from five layers, each importing only
-those below it (``lint-imports`` checks it; see docs/architecture.md): ``topology`` (pure
-arithmetic: the plan of every group kind, ``RankGenerator``, the latent split, the
-context-parallel planner, attention masks and the balanced dispatch plan), ``groups``
-(creating, checking, caching and destroying torch process groups; the table of kinds; the live
-state), ``megatron`` (``initialize_model_parallel``,
-precomputed answers and megatron-core's accessors, its private globals, the bridge, memory
-buffers, ``find_split`` / ``cp_size_t``), ``runtime`` (``dist_init``, launchers,
-``DistributedManager``, the resolvers, DeviceMesh views, logging) and ``tools``
-(``python -m parallel_state``), with the exceptions in ``errors``.
+Mirrors ``megatron.core.parallel_state`` 0.16 to 0.19: every public name of each release, its
+arguments, defaults, answers and rank layout (positional orders as the release in use has them,
+``megatron_release()``), and megatron-core's ``ProcessGroupCollection``. The names are re-exported
+here from five layers, each importing only those below it (``lint-imports`` checks it; see
+docs/architecture.md): ``topology`` (pure arithmetic: the plan of every group kind,
+``RankGenerator``, the latent split, the context-parallel planner, attention masks and the balanced
+dispatch plan), ``groups`` (creating, checking, caching and destroying torch process groups; the
+table of kinds; the live state), ``megatron`` (``initialize_model_parallel``, precomputed answers
+and megatron-core's accessors, its private globals, the bridge, memory buffers, ``find_split`` /
+``cp_size_t``), ``runtime`` (``dist_init``, launchers, ``DistributedManager``, the resolvers,
+DeviceMesh views, logging) and ``tools`` (``python -m parallel_state``), with the exceptions in
+``errors``.
 """
 
 #: megatron-core re-exports it from its module; code reaches it there.
@@ -53,6 +54,10 @@ from parallel_state.megatron.accessors import (  # noqa: F401  (re-exported API)
     get_expert_data_parallel_group_gloo,
     get_expert_data_parallel_rank,
     get_expert_data_parallel_world_size,
+    get_expert_gtp_weight_remat_global_ranks,
+    get_expert_gtp_weight_remat_group,
+    get_expert_gtp_weight_remat_rank,
+    get_expert_gtp_weight_remat_world_size,
     get_expert_model_parallel_group,
     get_expert_model_parallel_rank,
     get_expert_model_parallel_src_rank,
@@ -64,6 +69,10 @@ from parallel_state.megatron.accessors import (  # noqa: F401  (re-exported API)
     get_expert_tensor_parallel_group,
     get_expert_tensor_parallel_rank,
     get_expert_tensor_parallel_world_size,
+    get_gtp_weight_remat_global_ranks,
+    get_gtp_weight_remat_group,
+    get_gtp_weight_remat_rank,
+    get_gtp_weight_remat_world_size,
     get_hierarchical_context_parallel_groups,
     get_hybrid_data_context_parallel_groups,
     get_inter_distributed_optimizer_instance_group,
@@ -118,7 +127,11 @@ from parallel_state.megatron.accessors import (  # noqa: F401  (re-exported API)
 )
 from parallel_state.megatron.bridge import bridge_megatron  # noqa: F401
 from parallel_state.megatron.cp_size_t import find_split  # noqa: F401
-from parallel_state.megatron.initialize import destroy_model_parallel, initialize_model_parallel  # noqa: F401
+from parallel_state.megatron.initialize import (  # noqa: F401
+    create_all_gather_groups,
+    destroy_model_parallel,
+    initialize_model_parallel,
+)
 from parallel_state.megatron.memory import (  # noqa: F401
     GlobalMemoryBuffer,
     GlobalSymmetricMemoryBuffer,
@@ -128,6 +141,7 @@ from parallel_state.megatron.memory import (  # noqa: F401
     get_global_memory_buffer,
     get_global_symmetric_memory_buffer,
 )
+from parallel_state.megatron.pg_collection import ProcessGroupCollection, process_group_collection  # noqa: F401
 from parallel_state.runtime.dist_init import (  # noqa: F401
     dist_init,
     is_last_rank,
@@ -142,6 +156,7 @@ from parallel_state.runtime.resolve import collective_device, resolve_global_ran
 from parallel_state.topology.attention_mask import AttentionMask  # noqa: F401
 from parallel_state.topology.cp_plan import ContextParallelPlan, plan_context_parallel, shard_sizes  # noqa: F401
 from parallel_state.topology.dispatch_plan import DispatchPlan, plan_dispatch  # noqa: F401
+from parallel_state.topology.init_arguments import InitArguments  # noqa: F401
 from parallel_state.topology.plan import (  # noqa: F401
     DEFAULT_ORDER,
     TopologyPlan,
@@ -149,6 +164,7 @@ from parallel_state.topology.plan import (  # noqa: F401
     default_position_embedding_ranks,
 )
 from parallel_state.topology.rank_generator import RankGenerator, generate_masked_orthogonal_rank_groups  # noqa: F401
+from parallel_state.topology.releases import in_use as megatron_release  # noqa: F401
 
 
 def __getattr__(name: str) -> object:

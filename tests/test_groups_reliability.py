@@ -449,10 +449,11 @@ def test_a_failure_in_the_middle_of_group_creation_rolls_back(pools):
             assert out["error"] is None and out["clean"] and out["retry"], out
             continue
         # No NCCL in this build: the options fail when the model-parallel (tp-pp) group is built,
-        # after the dp-cp, dp and cp groups (each kind its own group, in megatron-core's order).
+        # after the gtp_remat, dp-cp, dp and cp groups (each kind its own group, in megatron-core
+        # 0.19's order; the full data-parallel groups are the dp ones where gtp_remat is 1).
         assert out["error"]["is_pse"] and "this torch build has no NCCL" in out["error"]["message"], out
-        assert out["created_before_failure"] == ["DATA_PARALLEL_GROUP_WITH_CP", "DATA_PARALLEL_GROUP",
-                                                 "CONTEXT_PARALLEL_GROUP"], out
+        assert out["created_before_failure"] == ["GTP_WEIGHT_REMAT_GROUP", "DATA_PARALLEL_GROUP_WITH_CP",
+                                                 "DATA_PARALLEL_GROUP", "CONTEXT_PARALLEL_GROUP"], out
         assert out["clean"] and out["retry"], out
 
 
@@ -554,6 +555,9 @@ BEFORE_INIT_VALUE = {
     "is_rank_in_embedding_group": False, "is_rank_in_position_embedding_group": False,
     "has_separate_all_gather_group": False, "get_expert_tensor_parallel_world_size": None,
     "get_expert_tensor_parallel_rank": None,
+    # megatron-core 0.19: 0 wherever the gtp_remat group is not built.
+    "get_gtp_weight_remat_rank": 0, "get_gtp_weight_remat_world_size": 0, "get_expert_gtp_weight_remat_rank": 0,
+    "get_expert_gtp_weight_remat_world_size": 0,
 }
 SETTERS = {"set_data_parallel_rank", "set_pipeline_model_parallel_rank", "set_pipeline_model_parallel_world_size",
            "set_tensor_model_parallel_rank", "set_tensor_model_parallel_world_size",
@@ -621,8 +625,9 @@ def case_accessor_arguments():
         fn = getattr(ps, name)
         params = inspect.signature(fn).parameters
         # check_initialized only matters without groups: case_accessors_lifecycle checks it there.
-        for flag_name in ("with_context_parallel", "ignore_virtual", "partial_data_parallel",
-                          "independent_all_gather", "tp_only_amax_red", "partial_expert_data_parallel"):
+        for flag_name in ("with_context_parallel", "ignore_virtual", "partial_data_parallel", "with_gtp_remat",
+                          "with_egtp_remat", "independent_all_gather", "tp_only_amax_red",
+                          "partial_expert_data_parallel"):
             if flag_name in params:
                 rows[f"{name}({flag_name}='yes')"] = ({flag_name: "yes"}, "is_type", f"{flag_name} must be True or False")
         if "partial_data_parallel" in params:  # megatron-core asserts: partial data parallelism includes cp

@@ -186,8 +186,8 @@ def case_settings():
     gloo = {kind: (g.group_desc, dist.get_backend(g)) for kind, g in state.gloo_groups.items()}
     # A kind that shares megatron-core's way carries the group (and so the description) it shares.
     def owner(kind):
-        shared = row(kind).shares
-        return shared if shared is not None and state.groups[shared] is state.groups[kind] else kind
+        shared = next((k for k in row(kind).shares if state.groups[k] is state.groups[kind]), None)
+        return kind if shared is None else owner(shared)
 
     expected = {kind: (row(owner(kind)).label, "gloo", 41.0) for kind in groups}
     world_before = _timeout_of(dist.group.WORLD)

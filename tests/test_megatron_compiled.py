@@ -43,7 +43,7 @@ def test_compile_accessor_refuses_what_it_has_no_template_for():
 
     with pytest.raises(ValueError, match="other_default: the template _t_cp has other defaults"):
         compiled.compile_accessor(other_default, {"default": "x"})
-    with pytest.raises(ValueError, match="_reference: the template _t_dp has no variant 'partial'"):
+    with pytest.raises(ValueError, match="_reference: the template _t_cp_partial has no variant 'partial'"):
         compiled.compile_accessor(_reference, {"partial": "x"})
 
 

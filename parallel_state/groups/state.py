@@ -127,13 +127,7 @@ def build(
     global _state
     import torch.distributed as dist
 
-    from parallel_state.groups.create import (
-        GroupBatch,
-        destroy_groups,
-        eager_nccl,
-        sharp_enabled,
-        subset_base,
-    )
+    from parallel_state.groups.create import GroupBatch, eager_nccl, subset_base
 
     if _state is not None:
         raise ParallelStateAssertionError(
@@ -171,7 +165,7 @@ def build(
             _changed()
             return state
     reuse = caching and not eager_nccl()  # eager NCCL: every rank takes part in every creation
-    gloo_kinds = [k for k in gloo_kinds_table() if k in plan.kinds] if create_gloo_process_groups else []
+    gloo_kinds = [k for k in gloo_kinds_table() if plan.gloo_allowed(k)] if create_gloo_process_groups else []
     # The counter span depends on the plan only, so it is the same on every rank even when
     # this build fails part-way on some of them.
     reserve = sum(plan.num_groups(k) for k in plan.kinds) + sum(plan.num_groups(k) for k in gloo_kinds)
@@ -179,53 +173,107 @@ def build(
     batch = GroupBatch(timeout=timeout, reserve=reserve, base=base)
     used: list[Any] = []
     try:
-        # Every kind gets a communicator of its own, as in megatron-core: two kinds on one
-        # communicator would pair their collectives up in issue order and compute wrong sums.
-        # The one exception is megatron-core's own: a kind whose row says it shares another
-        # kind's group does so where the plan gives both the same ranks.
-        for where, kind in [("main", k) for k in plan.kinds] + [("gloo", k) for k in gloo_kinds]:
-            groups = state.groups if where == "main" else state.gloo_groups
-            shared = row(kind).shares
-            if shared is not None and plan.same_group(kind, shared):
-                groups[kind] = groups[shared]
-                state.group_keys[(where, kind)] = state.group_keys[(where, shared)]
-                batch.skip(plan.num_groups(kind))
-                continue
-            if where == "main":
-                backend, desc = pipeline_backend if kind == "pp" else None, row(kind).label
-            else:  # a separate gloo group even on a gloo world, as megatron-core builds it
-                backend, desc = "gloo", f"{row(kind).label}_GLOO"
-            # NCCL options go to NCCL groups only (megatron-core: none for a ucc pipeline).
-            nccl = where == "main" and backend in (None, "nccl")
-            sharp = where == "main" and kind == sharp_kind
-            key = (where, desc, state.ranks(kind), backend, nccl_key(kind) if nccl else None, sharp,
-                   timeout.total_seconds())
-            state.group_keys[(where, kind)] = key
-            cached = group_cache.find(key) if reuse and state.ranks(kind) else None
-            if cached is not None:
-                groups[kind] = cached
-                used.append(cached)
-                batch.skip(plan.num_groups(kind))
-                continue
-            with sharp_enabled(sharp) as enable:
-                groups[kind] = enable(_create(batch, state, kind, backend=backend,
-                                              pg_options=nccl_options(kind) if nccl else None, desc=desc))
+        _create_kinds(state, batch, [("main", k) for k in plan.kinds] + [("gloo", k) for k in gloo_kinds], used,
+                      pipeline_backend=pipeline_backend, nccl_options=nccl_options, nccl_key=nccl_key,
+                      sharp_kind=sharp_kind, reuse=reuse)
         batch.wait_for_members()
     except BaseException:
         state.groups.clear()  # hand every reference to destroy_groups, which frees the groups
         state.gloo_groups.clear()
-        used.clear()
-        try:
-            destroy_groups(batch.created)
-        except Exception:  # the build's own error is the one to report
-            pass
-        batch.close()
+        _abandon(batch, used)
         raise
     batch.close()
     state.owned = batch.created + used
     _state = state
     _changed()
     return state
+
+
+def extend(plan: TopologyPlan, *, timeout: datetime.timedelta | None = None,
+           nccl_options: Callable[[str], Any] = lambda kind: None,
+           nccl_key: Callable[[str], Any] = lambda kind: None) -> list[str]:
+    """Build the kinds ``plan`` adds to the live plan (megatron-core 0.18's all-gather groups) and make
+    ``plan`` the live one; return the added kinds. Their groups take ``timeout`` (default: the
+    topology's). On any error the state is as it was."""
+    from parallel_state.groups.create import GroupBatch, eager_nccl, subset_base
+
+    state = current("create_all_gather_groups")
+    added = [k for k in plan.kinds if k not in state.plan.kinds]
+    missing = [k for k in added if k not in state.groups]  # a topology from the group cache may hold them
+    reserve = sum(plan.num_groups(k) for k in missing)
+    timeout = timeout or state.timeout
+    base = None if plan.ranks is None or not missing else subset_base(plan.ranks, reserve, timeout)
+    batch = GroupBatch(timeout=timeout, reserve=reserve, base=base)
+    previous, state.plan = state.plan, plan
+    used: list[Any] = []
+    try:
+        _create_kinds(state, batch, [("main", k) for k in missing], used, nccl_options=nccl_options,
+                      nccl_key=nccl_key, reuse=group_cache.enabled() and not eager_nccl(), timeout=timeout)
+        batch.wait_for_members()
+    except BaseException:
+        for kind in missing:
+            state.groups.pop(kind, None)
+            state.group_keys.pop(("main", kind), None)
+        state.plan = previous
+        _abandon(batch, used)
+        raise
+    batch.close()
+    state.owned += batch.created + used
+    _changed()
+    return added
+
+
+def _abandon(batch: Any, used: list[Any]) -> None:
+    """Free the groups a failed build created (the build's own error is the one to report)."""
+    from parallel_state.groups.create import destroy_groups
+
+    used.clear()
+    try:
+        destroy_groups(batch.created)
+    except Exception:
+        pass
+    batch.close()
+
+
+def _create_kinds(state: ParallelState, batch: Any, work: list[tuple[str, str]], used: list[Any], *,
+                  pipeline_backend: str | None = None, nccl_options: Callable[[str], Any] = lambda kind: None,
+                  nccl_key: Callable[[str], Any] = lambda kind: None, sharp_kind: str | None = None,
+                  reuse: bool = False, timeout: datetime.timedelta | None = None) -> None:
+    """Create (or take from the group cache) this rank's group of each ("main" | "gloo", kind) of ``work``."""
+    from parallel_state.groups.create import sharp_enabled
+
+    plan, timeout = state.plan, timeout or state.timeout
+    # Every kind gets a communicator of its own, as in megatron-core: two kinds on one
+    # communicator would pair their collectives up in issue order and compute wrong sums.
+    # The one exception is megatron-core's own: a kind whose row says it shares another
+    # kind's group does so where the plan gives both the same ranks.
+    for where, kind in work:
+        groups = state.groups if where == "main" else state.gloo_groups
+        shared = next((k for k in row(kind).shares if plan.same_group(kind, k)), None)
+        if shared is not None:
+            groups[kind] = groups[shared]
+            state.group_keys[(where, kind)] = state.group_keys[(where, shared)]
+            batch.skip(plan.num_groups(kind))
+            continue
+        if where == "main":
+            backend, desc = pipeline_backend if kind == "pp" else None, row(kind).label
+        else:  # a separate gloo group even on a gloo world, as megatron-core builds it
+            backend, desc = "gloo", f"{row(kind).label}_GLOO"
+        # NCCL options go to NCCL groups only (megatron-core: none for a ucc pipeline).
+        nccl = where == "main" and backend in (None, "nccl")
+        sharp = where == "main" and kind == sharp_kind
+        key = (where, desc, state.ranks(kind), backend, nccl_key(kind) if nccl else None, sharp,
+               timeout.total_seconds())
+        state.group_keys[(where, kind)] = key
+        cached = group_cache.find(key) if reuse and state.ranks(kind) else None
+        if cached is not None:
+            groups[kind] = cached
+            used.append(cached)
+            batch.skip(plan.num_groups(kind))
+            continue
+        with sharp_enabled(sharp) as enable:
+            groups[kind] = enable(_create(batch, state, kind, backend=backend,
+                                          pg_options=nccl_options(kind) if nccl else None, desc=desc))
 
 
 def _create(batch: Any, state: ParallelState, kind: str, **kwargs: Any) -> Any:

@@ -8,6 +8,7 @@ one line each, with megatron-core's parameter names and defaults.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any, Callable
 
@@ -15,8 +16,51 @@ from parallel_state.errors import ParallelStateAssertionError
 from parallel_state.groups import state as _st
 from parallel_state.megatron.answers import ANSWERS as _A
 from parallel_state.megatron.answers import lookup as _lookup
-from parallel_state.megatron.compiled import compile_accessor
+from parallel_state.megatron.compiled import compile_accessor, compile_passthrough
+from parallel_state.topology import releases
 from parallel_state.topology.arguments import flag, non_negative_int, positive_int
+
+#: Accessors whose parameters differ between megatron-core releases: (name, since, until) in the
+#: releases' merged order. 0.19 inserted with_gtp_remat before the partial flags, so a positional
+#: value there means another parameter in 0.19 than before: the release in use decides
+#: (``releases.in_use()``), and the signature shows its order.
+RELEASE_PARAMETERS: dict[str, tuple[tuple[str, str, str | None], ...]] = {
+    "get_data_parallel_group": (("with_context_parallel", "0.16", None), ("with_gtp_remat", "0.19", None),
+                                ("partial_data_parallel", "0.16", None), ("independent_all_gather", "0.16", "0.17")),
+    **{name: (("with_context_parallel", "0.16", None), ("with_gtp_remat", "0.19", None),
+              ("partial_data_parallel", "0.16", None))
+       for name in ("get_data_parallel_rank", "get_data_parallel_world_size")},
+    "get_expert_data_parallel_group": (("check_initialized", "0.16", None), ("with_gtp_remat", "0.19", None),
+                                       ("partial_expert_data_parallel", "0.16", None)),
+    **{name: (("with_gtp_remat", "0.19", None), ("partial_expert_data_parallel", "0.16", None))
+       for name in ("get_expert_data_parallel_rank", "get_expert_data_parallel_world_size")},
+}
+
+
+def _by_release(name: str, lead: int, args: tuple[Any, ...], given: dict[str, Any],
+                defaults: dict[str, Any]) -> dict[str, Any]:
+    """``given`` keyword values with ``args`` (the positional values after the first ``lead``) bound in
+    the order of the release in use."""
+    release = releases.in_use()
+    order = releases.positional(RELEASE_PARAMETERS[name], release)
+    if lead + len(args) > len(order):
+        raise TypeError(releases.too_many(f"{name}()", len(order), lead + len(args), release))
+    out = dict(given)
+    for key, value in zip(order[lead:], args, strict=False):
+        if given[key] is not defaults[key]:
+            raise TypeError(f"{name}() got multiple values for argument {key!r}")
+        out[key] = value
+    return out
+
+
+def _release_signature(fn: Callable[..., Any], name: str) -> inspect.Signature:
+    """``fn``'s signature with the positional parameters of the release in use, in its order; the rest keyword-only."""
+    params = inspect.signature(fn).parameters
+    order = releases.positional(RELEASE_PARAMETERS[name], releases.in_use())
+    out = [params[n].replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in order]
+    out += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for n, p in params.items()
+            if n not in order and p.kind is not p.VAR_POSITIONAL]
+    return inspect.Signature(out, return_annotation=inspect.signature(fn).return_annotation)
 
 #: reference accessor -> its fast path (variant -> answer key), compiled at the end of the module.
 _FAST: dict[Callable[..., Any], dict[str, str]] = {}
@@ -47,40 +91,58 @@ def _group(key: str, doc: str) -> Callable[..., Any]:
     return _fast(get, default=key)
 
 
-def _dp_key(what: str, with_context_parallel: Any, partial_data_parallel: Any) -> str:
+def _dp_key(what: str, with_context_parallel: Any, partial_data_parallel: Any, with_gtp_remat: Any = True) -> str:
+    """The answer key of a data-parallel accessor; ``with_gtp_remat`` (0.19, default True) spans gtp_remat."""
+    full = "gtp-" if flag("with_gtp_remat", with_gtp_remat) else ""
     if flag("with_context_parallel", with_context_parallel):
-        return f"dp-cp-intra.{what}" if flag("partial_data_parallel", partial_data_parallel) else f"dp-cp.{what}"
+        partial = flag("partial_data_parallel", partial_data_parallel)
+        return f"{full}dp-cp-intra.{what}" if partial else f"{full}dp-cp.{what}"
     if flag("partial_data_parallel", partial_data_parallel):
         raise ParallelStateAssertionError(
             "partial data parallelism (distributed-optimizer instances) includes context parallelism: "
             "pass with_context_parallel=True together with partial_data_parallel=True"
         )
-    return f"dp.{what}"
+    return f"{full}dp.{what}"
 
 
 def _dp_number(what: str, doc: str) -> Callable[..., int]:
-    key = f"dp.{what}"
+    key, name = f"gtp-dp.{what}", f"get_data_parallel_{'world_size' if what == 'size' else what}"
 
-    def get(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
-        if with_context_parallel is False and partial_data_parallel is False:
-            return _lookup(key)
-        return _lookup(_dp_key(what, with_context_parallel, partial_data_parallel))
+    def get(with_context_parallel: bool = False, *args: Any, with_gtp_remat: bool = True,
+            partial_data_parallel: bool = False) -> int:
+        if args:
+            kw = _by_release(name, 1, args, dict(with_gtp_remat=with_gtp_remat,
+                                                  partial_data_parallel=partial_data_parallel), _DP_DEFAULTS)
+            with_gtp_remat, partial_data_parallel = kw["with_gtp_remat"], kw["partial_data_parallel"]
+        return _lookup(_dp_key(what, with_context_parallel, partial_data_parallel, with_gtp_remat))
 
     get.__doc__ = doc
-    return _fast(get, default=key, cp=f"dp-cp.{what}", cp_partial=f"dp-cp-intra.{what}")
+    return _fast(get, default=key, cp=f"gtp-dp-cp.{what}", cp_partial=f"gtp-dp-cp-intra.{what}")
+
+
+_DP_DEFAULTS = {"with_gtp_remat": True, "partial_data_parallel": False, "independent_all_gather": False,
+                "partial_expert_data_parallel": False}
+
+
+def _edp_key(what: str, with_gtp_remat: Any, partial_expert_data_parallel: Any) -> str:
+    full = "egtp-" if flag("with_gtp_remat", with_gtp_remat) else ""
+    partial = flag("partial_expert_data_parallel", partial_expert_data_parallel)
+    return f"{full}edp-intra.{what}" if partial else f"{full}edp.{what}"
 
 
 def _edp_number(what: str, doc: str) -> Callable[..., int]:
-    key = f"edp.{what}"
+    key, name = f"egtp-edp.{what}", f"get_expert_data_parallel_{'world_size' if what == 'size' else what}"
 
-    def get(partial_expert_data_parallel: bool = False) -> int:
-        if partial_expert_data_parallel is False:
-            return _lookup(key)
-        partial = flag("partial_expert_data_parallel", partial_expert_data_parallel)
-        return _lookup(f"edp-intra.{what}" if partial else key)
+    def get(*args: Any, with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False) -> int:
+        if args:
+            kw = _by_release(name, 0, args, dict(with_gtp_remat=with_gtp_remat,
+                                                  partial_expert_data_parallel=partial_expert_data_parallel),
+                             _DP_DEFAULTS)
+            with_gtp_remat, partial_expert_data_parallel = kw["with_gtp_remat"], kw["partial_expert_data_parallel"]
+        return _lookup(_edp_key(what, with_gtp_remat, partial_expert_data_parallel))
 
     get.__doc__ = doc
-    return _fast(get, default=key, partial=f"edp-intra.{what}")
+    return _fast(get, default=key, partial=f"egtp-edp-intra.{what}")
 
 
 def _setter(key: str, param: str) -> Callable[[Any], None]:
@@ -130,24 +192,40 @@ get_hierarchical_context_parallel_groups = _group(
 get_expert_model_parallel_group = _group("ep.group", "This rank's expert-model-parallel group.")
 get_expert_tensor_parallel_group = _group("etp.group", "This rank's expert-tensor-parallel group.")
 get_expert_tensor_and_model_parallel_group = _group("etp-ep.group", "This rank's expert tp x ep group.")
-get_expert_tensor_model_pipeline_parallel_group = _group(
-    "etp-ep-pp.group", "This rank's expert tp x ep x pp group.")
+get_gtp_weight_remat_group = _group(
+    "gtp.group", "This rank's generalized tensor-parallel (gtp_remat) weight-sharding group (megatron-core 0.19).")
+get_gtp_weight_remat_global_ranks = _group("gtp.ranks", "Global ranks of this rank's gtp_remat group.")
+get_expert_gtp_weight_remat_group = _group(
+    "egtp.group", "This rank's expert gtp_remat weight-sharding group (megatron-core 0.19).")
+get_expert_gtp_weight_remat_global_ranks = _group("egtp.ranks", "Global ranks of this rank's expert gtp_remat group.")
+
+
+def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True, with_egtp_remat: bool = False
+                                                    ) -> Any:
+    """This rank's expert tp x ep x pp group (merged across expert gtp_remat peers with ``with_egtp_remat``)."""
+    key = "etp-ep-egtp-pp.group" if flag("with_egtp_remat", with_egtp_remat) else "etp-ep-pp.group"
+    return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
 get_intra_distributed_optimizer_instance_group = _group(
     "dist-opt.group", "The group of every rank in this rank's distributed-optimizer instance.")
 get_inter_distributed_optimizer_instance_group = _group(
     "edp-inter.group", "The group spanning the distributed-optimizer instances (one rank of each).")
 
 
-def get_data_parallel_group(with_context_parallel: bool = False, partial_data_parallel: bool = False,
-                            independent_all_gather: bool = False) -> Any:
-    """This rank's data-parallel group (dp x cp with ``with_context_parallel``; its instance's part, or
-    the separate all-gather group, on request)."""
-    if with_context_parallel is False and partial_data_parallel is False and independent_all_gather is False:
-        return _lookup("dp.group")
+def get_data_parallel_group(with_context_parallel: bool = False, *args: Any, with_gtp_remat: bool = True,
+                            partial_data_parallel: bool = False, independent_all_gather: bool = False) -> Any:
+    """This rank's data-parallel group: dp x cp with ``with_context_parallel``; spanning gtp_remat unless
+    ``with_gtp_remat=False`` (0.19: the replicate group); its instance's part, or 0.16/0.17's separate
+    all-gather group, on request."""
+    if args:
+        kw = _by_release("get_data_parallel_group", 1, args, dict(
+            with_gtp_remat=with_gtp_remat, partial_data_parallel=partial_data_parallel,
+            independent_all_gather=independent_all_gather), _DP_DEFAULTS)
+        with_gtp_remat, partial_data_parallel = kw["with_gtp_remat"], kw["partial_data_parallel"]
+        independent_all_gather = kw["independent_all_gather"]
     cp, partial = flag("with_context_parallel", with_context_parallel), flag("partial_data_parallel", partial_data_parallel)
     if flag("independent_all_gather", independent_all_gather) and cp and not partial:
         return _lookup("dp-cp-ag.group")
-    return _lookup(_dp_key("group", cp, partial))
+    return _lookup(_dp_key("group", cp, partial, with_gtp_remat))
 
 
 def has_separate_all_gather_group() -> bool:
@@ -198,9 +276,15 @@ def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, grou
     return groups[group_size]
 
 
-def get_expert_data_parallel_group(check_initialized: bool = True, partial_expert_data_parallel: bool = False) -> Any:
-    """This rank's expert data-parallel group (its instance's part with ``partial_expert_data_parallel``)."""
-    key = "edp-intra.group" if flag("partial_expert_data_parallel", partial_expert_data_parallel) else "edp.group"
+def get_expert_data_parallel_group(check_initialized: bool = True, *args: Any, with_gtp_remat: bool = True,
+                                   partial_expert_data_parallel: bool = False) -> Any:
+    """This rank's expert data-parallel group: spanning expert gtp_remat unless ``with_gtp_remat=False``
+    (0.19: the replicate group); its instance's part with ``partial_expert_data_parallel``."""
+    if args:
+        kw = _by_release("get_expert_data_parallel_group", 1, args, dict(
+            with_gtp_remat=with_gtp_remat, partial_expert_data_parallel=partial_expert_data_parallel), _DP_DEFAULTS)
+        with_gtp_remat, partial_expert_data_parallel = kw["with_gtp_remat"], kw["partial_expert_data_parallel"]
+    key = _edp_key("group", with_gtp_remat, partial_expert_data_parallel)
     return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
 
 
@@ -213,7 +297,7 @@ def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = F
             return _A["edp.group"]
         except KeyError:
             pass
-    return get_expert_data_parallel_group(partial_expert_data_parallel=partial_expert_data_parallel)
+    return get_expert_data_parallel_group(with_gtp_remat=False, partial_expert_data_parallel=partial_expert_data_parallel)
 
 
 def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False) -> Any:
@@ -241,6 +325,11 @@ get_expert_tensor_and_model_parallel_world_size = _value("etp-ep.size", "Size of
 get_expert_tensor_and_model_parallel_rank = _value("etp-ep.rank", "This rank's index in its expert tp x ep group.")
 get_expert_data_parallel_world_size = _edp_number("size", "Number of ranks in this rank's expert data-parallel group.")
 get_expert_data_parallel_rank = _edp_number("rank", "This rank's index in its expert data-parallel group.")
+get_gtp_weight_remat_world_size = _value("gtp.size", "Number of ranks in this rank's gtp_remat group (0 without one).")
+get_gtp_weight_remat_rank = _value("gtp.rank", "This rank's index in its gtp_remat group (0 without one).")
+get_expert_gtp_weight_remat_world_size = _value(
+    "egtp.size", "Number of ranks in this rank's expert gtp_remat group (0 without one).")
+get_expert_gtp_weight_remat_rank = _value("egtp.rank", "This rank's index in its expert gtp_remat group (0 without one).")
 get_virtual_pipeline_model_parallel_world_size = _value(
     "vpp.size", "The interleaved schedule's number of model chunks per stage, or None.")
 get_virtual_pipeline_model_parallel_rank = _value("vpp.rank", "The interleaved schedule's current model chunk, or None.")
@@ -362,13 +451,13 @@ def get_tensor_model_parallel_last_rank(with_context_parallel: bool = False) -> 
 
 for _fn, _variants in {
     is_initialized: dict(default="initialized"), model_parallel_is_initialized: dict(default="initialized"),
-    get_data_parallel_group: dict(default="dp.group", cp="dp-cp.group", cp_partial="dp-cp-intra.group",
-                                  cp_all_gather="dp-cp-ag.group"),
+    get_data_parallel_group: dict(default="gtp-dp.group", cp="gtp-dp-cp.group", cp_partial="gtp-dp-cp-intra.group"),
     get_data_parallel_group_gloo: dict(default="dp.gloo", cp="dp-cp.gloo", cp_partial="dp-cp-intra.gloo"),
     get_tensor_and_data_parallel_group: dict(default="tp-dp.group", cp="tp-dp-cp.group"),
     get_amax_reduction_group: dict(default="tp-dp.group", cp="tp-dp-cp.group", tp_only="tp.group",
                                    cp_tp_only="tp-cp.group"),
-    get_expert_data_parallel_group: dict(default="edp.group", partial="edp-intra.group"),
+    get_expert_data_parallel_group: dict(default="egtp-edp.group", partial="egtp-edp-intra.group"),
+    get_expert_tensor_model_pipeline_parallel_group: dict(default="etp-ep-pp.group", egtp="etp-ep-egtp-pp.group"),
     get_expert_data_parallel_group_gloo: dict(default="edp.gloo", partial="edp-intra.gloo"),
     get_data_parallel_src_rank: dict(default="dp.src", cp="dp-cp.src"),
     get_tensor_model_parallel_src_rank: dict(default="tp.src", cp="tp-cp.src"),
@@ -380,10 +469,18 @@ for _fn, _variants in {
 }.items():
     _fast(_fn, **_variants)
 
-# Every accessor with a fast path is replaced by its compiled twin (same name, parameters, answers).
+# Every accessor with a fast path is replaced by its compiled twin (same name, parameters, answers);
+# those whose positional order differs between releases take the order of the release in use, or,
+# for a release parallel_state does not know, no fast path and only the positions all releases share.
 for _name, _fn in list(globals().items()):
     if callable(_fn) and _fn in _FAST:
-        globals()[_name] = compile_accessor(_fn, _FAST[_fn], name=_name)
+        if _name not in RELEASE_PARAMETERS:
+            globals()[_name] = compile_accessor(_fn, _FAST[_fn], name=_name)
+        elif releases.known(releases.in_use()):
+            globals()[_name] = compile_accessor(_fn, _FAST[_fn], name=_name, positional=releases.positional(
+                RELEASE_PARAMETERS[_name], releases.in_use()))
+        else:
+            globals()[_name] = compile_passthrough(_fn, _name, _release_signature(_fn, _name))
 del _name, _fn, _variants
 
 # The short names MAGI-1 and WorldFoundry call, for the compiled accessors.

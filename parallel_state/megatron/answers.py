@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from parallel_state.errors import ParallelStateAssertionError
 from parallel_state.groups import state as _st
+from parallel_state.topology import releases
 
 #: Megatron's set_* values (override keys of state.overrides) -> the answers they replace.
 OVERRIDES: dict[str, tuple[str, ...]] = {
@@ -22,7 +23,8 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "tensor_model_parallel_rank": ("tp.rank",),
     "pipeline_model_parallel_world_size": ("pp.size",),
     "pipeline_model_parallel_rank": ("pp.rank",),
-    "data_parallel_rank": ("dp.rank", "dp-cp.rank", "dp-cp-intra.rank"),
+    "data_parallel_rank": ("dp.rank", "dp-cp.rank", "dp-cp-intra.rank", "gtp-dp.rank", "gtp-dp-cp.rank",
+                           "gtp-dp-cp-intra.rank"),
     "virtual_pipeline_model_parallel_world_size": ("vpp.size",),
     "virtual_pipeline_model_parallel_rank": ("vpp.rank",),
     "expert_model_parallel_world_size": ("ep.size",),
@@ -35,11 +37,14 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
 PICKED = ("embd", "pos-embd")
 #: Kinds whose global ranks an accessor or a megatron-core global returns (the rest can hold
 #: thousands of ranks that nobody reads).
-WITH_RANKS = frozenset({"tp", "pp", "cp", "dp", "dp-cp", "tp-pp", "tp-cp", "ep", "embd", "pos-embd"})
+WITH_RANKS = frozenset({"tp", "pp", "cp", "dp", "dp-cp", "tp-pp", "tp-cp", "ep", "embd", "pos-embd", "gtp", "egtp"})
 
 #: Ranks and sizes megatron-core reports as 0 while torch.distributed is not initialized.
 ZERO_WITHOUT_DIST = frozenset(f"{kind}.{what}" for kind in (
-    "dp", "dp-cp", "dp-cp-intra", "cp", "tp-cp", "ep", "etp-ep", "edp", "edp-intra") for what in ("rank", "size"))
+    "dp", "dp-cp", "dp-cp-intra", "gtp-dp", "gtp-dp-cp", "gtp-dp-cp-intra", "cp", "tp-cp", "ep", "etp-ep", "edp",
+    "edp-intra", "egtp-edp", "egtp-edp-intra") for what in ("rank", "size"))
+#: Ranks and sizes megatron-core 0.19 reports as 0 whenever its group is not built (initialized or not).
+ZERO_WITHOUT_GROUPS = frozenset(f"{kind}.{what}" for kind in ("gtp", "egtp") for what in ("rank", "size"))
 
 
 def _pp_at(a: Callable[[str], Any], step: int) -> int:
@@ -47,7 +52,9 @@ def _pp_at(a: Callable[[str], Any], step: int) -> int:
 
 
 def _all_ranks(a: Callable[[str], Any]) -> str:
-    return "_".join(str(a(k) or 0) for k in ("tp.rank", "dp.rank", "cp.rank", "pp.rank", "ep.rank"))
+    # megatron-core 0.19 puts the gtp_remat rank second; the release in use decides the format.
+    gtp = ("gtp.rank",) if releases.at_least(releases.in_use(), "0.19") else ()
+    return "_".join(str(a(k) or 0) for k in ("tp.rank", *gtp, "gtp-dp.rank", "cp.rank", "pp.rank", "ep.rank"))
 
 
 #: Answers computed from other answers: precomputed when possible, else computed on access
@@ -70,7 +77,10 @@ DERIVED: dict[str, Callable[[Any], Any]] = {
 
 #: What to do when a kind was not built although the groups exist.
 _NOT_BUILT = {
-    "dp-cp-ag": "initialize with create_all_gather_group=True to have the separate all-gather group",
+    "dp-cp-ag": "call parallel_state.create_all_gather_groups() (megatron-core 0.18+) or initialize with "
+                "create_all_gather_group=True (0.16, 0.17) to have the separate all-gather group",
+    "edp-ag": "call parallel_state.create_all_gather_groups(for_expert_parallelism=True) with "
+              "expert_model_parallel_size > 1 to have the expert all-gather group",
     "edp-inter": "initialize with num_distributed_optimizer_instances > 1 to have the inter-instance group",
     "hcp": "initialize with hierarchical_context_parallel_sizes=[...] to have hierarchical context-parallel groups",
     "embd": "this rank holds no embedding (its pipeline stage is not one get_embedding_ranks picked)",
@@ -91,6 +101,11 @@ LABELS = {
     "edp-intra": "partial expert data-parallel", "edp-inter": "inter distributed-optimizer-instance",
     "dist-opt": "intra distributed-optimizer-instance", "hcp": "hierarchical context-parallel",
     "hybrid": "hybrid data-and-context-parallel", "vpp": "virtual pipeline",
+    "gtp": "generalized tensor-parallel (gtp_remat)", "egtp": "expert generalized tensor-parallel (gtp_remat)",
+    "gtp-dp": "data-parallel (with gtp_remat)", "gtp-dp-cp": "data-parallel (with context parallel and gtp_remat)",
+    "gtp-dp-cp-intra": "partial data-parallel (with gtp_remat)", "etp-ep-egtp-pp":
+    "expert tensor-model-pipeline-parallel (with expert gtp_remat)", "egtp-edp": "expert data-parallel (with gtp_remat)",
+    "egtp-edp-intra": "partial expert data-parallel (with gtp_remat)", "edp-ag": "expert all-gather data-parallel",
 }
 
 
@@ -110,7 +125,7 @@ def missing(key: str) -> Any:
     kind, _, what = key.rpartition(".")
     state = _st.peek()
     if state is None:
-        if key in ZERO_WITHOUT_DIST and not _dist_ready():
+        if key in ZERO_WITHOUT_GROUPS or key in ZERO_WITHOUT_DIST and not _dist_ready():
             return 0
         if kind == "vpp":
             return None
@@ -118,6 +133,12 @@ def missing(key: str) -> Any:
             # megatron-core falls back to the tensor-parallel override (None when unset).
             return _st.overrides.get(f"tensor_model_parallel_{'rank' if what == 'rank' else 'world_size'}")
         _st.current(_describe(kind, what))  # raises, saying what to call first
+    if what == "gloo" and kind in state.plan.kinds and not state.plan.gloo_allowed(kind):
+        raise ParallelStateAssertionError(
+            f"the gloo {LABELS.get(kind, kind)} group was not created: as megatron-core 0.19, parallel_state builds "
+            f"no gloo groups under generalized tensor parallelism (gtp_remat_size {state.plan.gtp}, "
+            f"expert_gtp_remat_size {state.plan.egtp}); use the NCCL group, or gtp sizes of 1"
+        )
     if what == "gloo" and not state.gloo_groups:
         raise ParallelStateAssertionError(
             f"the gloo {LABELS.get(kind, kind)} group was not created: initialize_model_parallel was called with "

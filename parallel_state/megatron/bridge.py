@@ -82,7 +82,9 @@ def bridge_megatron() -> bool:
         raise ParallelStateError(clash)
     from parallel_state.megatron import megatron_globals
 
-    values = megatron_globals.values()
+    # Only the globals the loaded release has: each release reads its own (0.19 adds the gtp_remat
+    # ones, 0.18 drops the all-gather one).
+    values = {name: value for name, value in megatron_globals.values().items() if hasattr(mps, name)}
     # Everything that can fail has run; from here on only assignments.
     for name, value in values.items():
         setattr(mps, name, value)
@@ -107,6 +109,8 @@ def _follow_overrides() -> None:
     from parallel_state.megatron import megatron_globals
 
     for name in megatron_globals.FROM_OVERRIDES:
+        if not hasattr(mps, name):
+            continue
         value = megatron_globals.value(name)
         setattr(mps, name, value)
         _written[name] = value

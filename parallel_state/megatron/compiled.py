@@ -102,7 +102,7 @@ def _t_ci_cp(check_initialized=True, with_context_parallel=False):
     return reference(check_initialized, with_context_parallel)
 
 
-def _t_dp(with_context_parallel=False, partial_data_parallel=False):
+def _t_cp_partial(with_context_parallel=False, partial_data_parallel=False):
     try:
         if not with_context_parallel:
             if not partial_data_parallel:
@@ -117,22 +117,78 @@ def _t_dp(with_context_parallel=False, partial_data_parallel=False):
     return reference(with_context_parallel, partial_data_parallel)
 
 
-def _t_dp_group(with_context_parallel=False, partial_data_parallel=False, independent_all_gather=False):
+# The data-parallel accessors take megatron-core 0.19's with_gtp_remat, which 0.19 put before the
+# partial flag. Each has two templates: megatron-core 0.16-0.18's order with with_gtp_remat last, and
+# 0.19's; the release in use picks one. Plain positional-or-keyword parameters only, because
+# CPython specializes calls to such functions alone (``*args`` or keyword-only parameters cost about
+# twice as much per call). They call the reference with keywords, so it needs no order.
+
+def _t_dp(with_context_parallel=False, partial_data_parallel=False, with_gtp_remat=True):
     try:
-        if not with_context_parallel:
-            if not partial_data_parallel and not independent_all_gather:
-                return a_default
-        elif with_context_parallel is True:
-            if not partial_data_parallel:
-                if not independent_all_gather:
+        if with_gtp_remat is True:
+            if not with_context_parallel:
+                if not partial_data_parallel:
+                    return a_default
+            elif with_context_parallel is True:
+                if not partial_data_parallel:
                     return a_cp
-                if independent_all_gather is True:
-                    return a_cp_all_gather
-            elif partial_data_parallel is True and not independent_all_gather:
-                return a_cp_partial
+                if partial_data_parallel is True:
+                    return a_cp_partial
     except NameError:
         pass
-    return reference(with_context_parallel, partial_data_parallel, independent_all_gather)
+    return reference(with_context_parallel, with_gtp_remat=with_gtp_remat, partial_data_parallel=partial_data_parallel)
+
+
+def _t_dp_019(with_context_parallel=False, with_gtp_remat=True, partial_data_parallel=False):
+    try:
+        if with_gtp_remat is True:
+            if not with_context_parallel:
+                if not partial_data_parallel:
+                    return a_default
+            elif with_context_parallel is True:
+                if not partial_data_parallel:
+                    return a_cp
+                if partial_data_parallel is True:
+                    return a_cp_partial
+    except NameError:
+        pass
+    return reference(with_context_parallel, with_gtp_remat=with_gtp_remat, partial_data_parallel=partial_data_parallel)
+
+
+def _t_dp_group(with_context_parallel=False, partial_data_parallel=False, independent_all_gather=False,
+                with_gtp_remat=True):
+    try:
+        if with_gtp_remat is True and not independent_all_gather:
+            if not with_context_parallel:
+                if not partial_data_parallel:
+                    return a_default
+            elif with_context_parallel is True:
+                if not partial_data_parallel:
+                    return a_cp
+                if partial_data_parallel is True:
+                    return a_cp_partial
+    except NameError:
+        pass
+    return reference(with_context_parallel, with_gtp_remat=with_gtp_remat, partial_data_parallel=partial_data_parallel,
+                     independent_all_gather=independent_all_gather)
+
+
+def _t_dp_group_019(with_context_parallel=False, with_gtp_remat=True, partial_data_parallel=False,
+                    independent_all_gather=False):
+    try:
+        if with_gtp_remat is True and not independent_all_gather:
+            if not with_context_parallel:
+                if not partial_data_parallel:
+                    return a_default
+            elif with_context_parallel is True:
+                if not partial_data_parallel:
+                    return a_cp
+                if partial_data_parallel is True:
+                    return a_cp_partial
+    except NameError:
+        pass
+    return reference(with_context_parallel, with_gtp_remat=with_gtp_remat, partial_data_parallel=partial_data_parallel,
+                     independent_all_gather=independent_all_gather)
 
 
 def _t_amax(with_context_parallel=False, tp_only_amax_red=False):
@@ -163,15 +219,70 @@ def _t_edp(partial_expert_data_parallel=False):
     return reference(partial_expert_data_parallel)
 
 
-def _t_ci_edp(check_initialized=True, partial_expert_data_parallel=False):
+def _t_edp_n(partial_expert_data_parallel=False, with_gtp_remat=True):
     try:
-        if not partial_expert_data_parallel:
-            return a_default
-        if partial_expert_data_parallel is True:
-            return a_partial
+        if with_gtp_remat is True:
+            if not partial_expert_data_parallel:
+                return a_default
+            if partial_expert_data_parallel is True:
+                return a_partial
     except NameError:
         pass
-    return reference(check_initialized, partial_expert_data_parallel)
+    return reference(with_gtp_remat=with_gtp_remat, partial_expert_data_parallel=partial_expert_data_parallel)
+
+
+def _t_edp_n_019(with_gtp_remat=True, partial_expert_data_parallel=False):
+    try:
+        if with_gtp_remat is True:
+            if not partial_expert_data_parallel:
+                return a_default
+            if partial_expert_data_parallel is True:
+                return a_partial
+    except NameError:
+        pass
+    return reference(with_gtp_remat=with_gtp_remat, partial_expert_data_parallel=partial_expert_data_parallel)
+
+
+def _t_ci_edp(check_initialized=True, partial_expert_data_parallel=False, with_gtp_remat=True):
+    try:
+        if with_gtp_remat is True:
+            if not partial_expert_data_parallel:
+                return a_default
+            if partial_expert_data_parallel is True:
+                return a_partial
+    except NameError:
+        pass
+    return reference(check_initialized, with_gtp_remat=with_gtp_remat,
+                     partial_expert_data_parallel=partial_expert_data_parallel)
+
+
+def _t_ci_edp_019(check_initialized=True, with_gtp_remat=True, partial_expert_data_parallel=False):
+    try:
+        if with_gtp_remat is True:
+            if not partial_expert_data_parallel:
+                return a_default
+            if partial_expert_data_parallel is True:
+                return a_partial
+    except NameError:
+        pass
+    return reference(check_initialized, with_gtp_remat=with_gtp_remat,
+                     partial_expert_data_parallel=partial_expert_data_parallel)
+
+
+def _t_any(*args, **kwargs):
+    # A release whose positional order parallel_state does not know: no fast path, the reference binds.
+    return reference(*args, **kwargs)
+
+
+def _t_ci_egtp(check_initialized=True, with_egtp_remat=False):
+    try:
+        if not with_egtp_remat:
+            return a_default
+        if with_egtp_remat is True:
+            return a_egtp
+    except NameError:
+        pass
+    return reference(check_initialized, with_egtp_remat)
 
 
 def _t_stage(ignore_virtual=True, vp_stage=None):
@@ -192,11 +303,18 @@ _TEMPLATES: dict[tuple[str, ...], Callable[..., Any]] = {
     ("*", "with_context_parallel"): _t_kw_cp,
     ("with_context_parallel", "check_initialized"): _t_cp_ci,
     ("check_initialized", "with_context_parallel"): _t_ci_cp,
-    ("with_context_parallel", "partial_data_parallel"): _t_dp,
-    ("with_context_parallel", "partial_data_parallel", "independent_all_gather"): _t_dp_group,
+    ("with_context_parallel", "partial_data_parallel"): _t_cp_partial,
+    ("with_context_parallel", "partial_data_parallel", "with_gtp_remat"): _t_dp,
+    ("with_context_parallel", "with_gtp_remat", "partial_data_parallel"): _t_dp_019,
+    ("with_context_parallel", "partial_data_parallel", "independent_all_gather", "with_gtp_remat"): _t_dp_group,
+    ("with_context_parallel", "with_gtp_remat", "partial_data_parallel", "independent_all_gather"): _t_dp_group_019,
     ("with_context_parallel", "tp_only_amax_red"): _t_amax,
     ("partial_expert_data_parallel",): _t_edp,
-    ("check_initialized", "partial_expert_data_parallel"): _t_ci_edp,
+    ("partial_expert_data_parallel", "with_gtp_remat"): _t_edp_n,
+    ("with_gtp_remat", "partial_expert_data_parallel"): _t_edp_n_019,
+    ("check_initialized", "partial_expert_data_parallel", "with_gtp_remat"): _t_ci_edp,
+    ("check_initialized", "with_gtp_remat", "partial_expert_data_parallel"): _t_ci_edp_019,
+    ("check_initialized", "with_egtp_remat"): _t_ci_egtp,
     ("ignore_virtual", "vp_stage"): _t_stage,
 }
 
@@ -204,23 +322,48 @@ _TEMPLATES: dict[tuple[str, ...], Callable[..., Any]] = {
 def _parameter_list(params: tuple[inspect.Parameter, ...]) -> tuple[str, ...]:
     names: list[str] = []
     for p in params:
-        if p.kind is p.KEYWORD_ONLY and "*" not in names:
+        if p.kind is p.VAR_POSITIONAL:
+            names.append("*args")
+            continue
+        if p.kind is p.KEYWORD_ONLY and "*" not in names and "*args" not in names:
             names.append("*")
         names.append(p.name)
     return tuple(names)
 
 
-def compile_accessor(reference: Callable[..., Any], variants: dict[str, str], name: str | None = None
-                     ) -> Callable[..., Any]:
-    """``reference`` with a fast path, named ``name``: for each variant (``default``, ``cp``, ...), its answer key."""
+def compile_accessor(reference: Callable[..., Any], variants: dict[str, str], name: str | None = None,
+                     positional: tuple[str, ...] | None = None) -> Callable[..., Any]:
+    """``reference`` with a fast path, named ``name``: for each variant (``default``, ``cp``, ...), its answer key.
+
+    ``positional`` (for an accessor whose positional order differs between megatron-core releases)
+    is the order of the release in use: the template whose parameters start with it is taken, its
+    other parameters following; None takes the reference's own parameter list.
+    """
     name = name or reference.__name__
-    params = tuple(inspect.signature(reference).parameters.values())
-    template = _TEMPLATES.get(_parameter_list(params))
+    params = {p.name: p for p in inspect.signature(reference).parameters.values() if p.kind is not p.VAR_POSITIONAL}
+    if positional is None:
+        shape = _parameter_list(tuple(inspect.signature(reference).parameters.values()))
+        template = _TEMPLATES.get(shape)
+    else:
+        found = [t for key, t in _TEMPLATES.items() if key[:len(positional)] == positional and set(key) == set(params)]
+        shape, template = positional, found[0] if len(found) == 1 else None
     if template is None:
-        raise ValueError(f"{name}: no fast-path template for the parameters {list(_parameter_list(params))}")
-    shape = [(p.name, p.kind, p.default) for p in inspect.signature(template).parameters.values()]
-    if shape != [(p.name, p.kind, p.default) for p in params]:
+        raise ValueError(f"{name}: no fast-path template for the parameters {list(shape)}")
+    mine = {p.name: p.default for p in inspect.signature(template).parameters.values()}
+    if mine != {n: p.default for n, p in params.items()}:
         raise ValueError(f"{name}: the template {template.__name__} has other defaults than {inspect.signature(reference)}")
+    return _twin(template, reference, variants, name)
+
+
+def compile_passthrough(reference: Callable[..., Any], name: str, signature: inspect.Signature) -> Callable[..., Any]:
+    """``reference`` under ``name`` with no fast path, showing ``signature`` (a release whose order is unknown)."""
+    fast = _twin(_t_any, reference, {}, name)
+    fast.__signature__ = signature  # type: ignore[attr-defined]
+    return fast
+
+
+def _twin(template: Callable[..., Any], reference: Callable[..., Any], variants: dict[str, str], name: str
+          ) -> Callable[..., Any]:
     namespace: dict[str, Any] = {"__builtins__": builtins, "reference": reference}
     for variant, key in variants.items():
         variable = f"a_{variant}"

@@ -3,95 +3,66 @@
 from __future__ import annotations
 
 import datetime
-import os
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable
 
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
 from parallel_state.groups import state as _st
 from parallel_state.groups.kinds import row
+from parallel_state.topology.init_arguments import LOCAL, InitArguments
 from parallel_state.topology.plan import TopologyPlan
 
 
-def _alias(name: str, megatron_value: Any, default: Any, alias_name: str, alias_value: Any) -> Any:
-    if alias_value is None:
-        return megatron_value
-    if megatron_value != default:
-        raise TypeError(
-            f"initialize_model_parallel() got both {name}={megatron_value!r} and its alias "
-            f"{alias_name}={alias_value!r}; pass only one of them"
-        )
-    return alias_value
-
-
-def _nccl_options(config_path: Any, high_priority: list[str] | None) -> tuple[Callable[[str], Any], Callable[[str], Any]]:
+def _nccl_options(config_path: Any, high_priority: Any) -> tuple[Callable[[str], Any], Callable[[str], Any]]:
     """Each kind's NCCL options (None where nothing is configured), as megatron-core builds them, and
     a comparable key of those settings."""
     from parallel_state.groups.nccl import get_nccl_options, load_nccl_comm_cfgs
 
-    cfgs = load_nccl_comm_cfgs(config_path, high_priority)
+    cfgs = load_nccl_comm_cfgs(config_path, None if high_priority is None else list(high_priority))
     if not cfgs:
         return (lambda kind: None), (lambda kind: None)
     # The settings themselves key a cached group: equal settings, same communicator.
     return (lambda kind: get_nccl_options(row(kind).nccl, cfgs)), (lambda kind: repr(cfgs.get(row(kind).nccl)))
 
 
-def initialize_model_parallel(
-    tensor_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    virtual_pipeline_model_parallel_size: Optional[int] = None,
-    pipeline_model_parallel_comm_backend: Optional[str] = None,
-    use_sharp: bool = False,
-    context_parallel_size: int = 1,
-    hierarchical_context_parallel_sizes: Optional[List[int]] = None,
-    hybrid_context_parallel: bool = False,
-    expert_model_parallel_size: int = 1,
-    num_distributed_optimizer_instances: int = 1,
-    expert_tensor_parallel_size: Optional[int] = None,
-    nccl_communicator_config_path: Optional[str] = None,
-    distributed_timeout_minutes: int = 30,
-    order: str = "tp-cp-ep-dp-pp",
-    get_embedding_ranks: Optional[Callable[[List[int], Optional[int]], List[int]]] = None,
-    get_position_embedding_ranks: Optional[Callable[[List[int], Optional[int]], List[int]]] = None,
-    create_gloo_process_groups: bool = True,
-    high_priority_stream_groups: Optional[List[str]] = None,
-    sharp_enabled_group: Optional[str] = None,
-    create_all_gather_group: Optional[bool] = False,
-    *,
-    tp_size: Optional[int] = None,
-    cp_size: Optional[int] = None,
-    pp_size: Optional[int] = None,
-    timeout: Optional[datetime.timedelta] = None,
-    check_consistency: bool = True,
-    ranks: Optional[List[int]] = None,
-) -> None:
+def initialize_model_parallel(*args: Any, **kwargs: Any) -> None:
     """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
 
-    Takes megatron-core's arguments in its order; ``tp_size``/``cp_size``/``pp_size`` are the
-    MAGI-1 / WorldFoundry spellings, ``timeout`` sets the groups' timeout more finely than
-    ``distributed_timeout_minutes``. ``check_consistency`` compares every rank's arguments
-    before any group is built and confirms every rank built its groups afterwards (a round
-    through the default store each, bounded by the timeout), so that all ranks keep the
-    groups or none does. Each rank creates only the groups it is in; on any error nothing is
-    left behind. ``ranks`` (global ranks holding this one) builds the topology over that subset
-    of the world alone: sizes, layout and accessors refer to it, and only its ranks take part,
-    so disjoint subsets initialize, run and destroy side by side.
+    Takes the keywords of every megatron-core release from 0.16 to 0.19, and its positional
+    arguments in the order of the release in use (``parallel_state.megatron_release()``: the
+    installed megatron-core's, 0.16's when none is installed); the signature shows that release's.
+    ``tp_size``/``cp_size``/``pp_size`` are the MAGI-1 / WorldFoundry spellings, ``timeout`` sets
+    the groups' timeout more finely than ``distributed_timeout_minutes``. ``check_consistency``
+    compares every rank's arguments before any group is built and confirms every rank built its
+    groups afterwards (a round through the default store each, bounded by the timeout), so that all
+    ranks keep the groups or none does. Each rank creates only the groups it is in; on any error
+    nothing is left behind. ``ranks`` (global ranks holding this one) builds the topology over that
+    subset of the world alone: sizes, layout and accessors refer to it, and only its ranks take
+    part, so disjoint subsets initialize, run and destroy side by side. megatron-core 0.17's
+    ``rank_offset`` / ``local_world_size`` spell the subset ``range(rank_offset, rank_offset +
+    local_world_size)``; as in megatron-core, every rank may call it, and on a rank outside that
+    range it builds nothing.
     """
+    _initialize(InitArguments.bind(args, kwargs))
+
+
+initialize_model_parallel.__signature__ = InitArguments.signature()  # type: ignore[attr-defined]
+
+
+def _initialize(args: InitArguments) -> None:
     import torch.distributed as dist
 
     from parallel_state.topology import arguments as a
 
-    tp = _alias("tensor_model_parallel_size", tensor_model_parallel_size, 1, "tp_size", tp_size)
-    cp = _alias("context_parallel_size", context_parallel_size, 1, "cp_size", cp_size)
-    pp = _alias("pipeline_model_parallel_size", pipeline_model_parallel_size, 1, "pp_size", pp_size)
-    check_consistency = a.flag("check_consistency", check_consistency)
-    timeout = a.timeout_of(timeout, distributed_timeout_minutes)
-    members = _members(ranks)
-
+    check_consistency = a.flag("check_consistency", args.check_consistency)
+    timeout = args.groups_timeout()
     if not (dist.is_available() and dist.is_initialized()):
         raise ParallelStateAssertionError(
             "torch.distributed is not initialized: call torch.distributed.init_process_group(...) "
             "(or parallel_state.dist_init) before initialize_model_parallel"
         )
+    members = _members(args)
+    if members == ():
+        return  # rank_offset / local_world_size leave this rank out: megatron-core builds it nothing either
     if _st.peek() is not None:
         raise ParallelStateAssertionError(
             "model-parallel groups are already initialized; call "
@@ -103,26 +74,9 @@ def initialize_model_parallel(
     clash = megatron_clash()
     from parallel_state.groups import group_cache
 
-    config = {
-        "tensor_model_parallel_size": tp, "context_parallel_size": cp, "pipeline_model_parallel_size": pp,
-        "order": _comparable_order(order, tp, cp, pp),
-        "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size,
-        "pipeline_model_parallel_comm_backend": pipeline_model_parallel_comm_backend,
-        "create_gloo_process_groups": create_gloo_process_groups,
-        "expert_model_parallel_size": expert_model_parallel_size,
-        "expert_tensor_parallel_size": expert_tensor_parallel_size,
-        "hierarchical_context_parallel_sizes": hierarchical_context_parallel_sizes,
-        "hybrid_context_parallel": hybrid_context_parallel,
-        "num_distributed_optimizer_instances": num_distributed_optimizer_instances,
-        "create_all_gather_group": create_all_gather_group,
-        "use_sharp": use_sharp, "sharp_enabled_group": sharp_enabled_group,
-        "get_embedding_ranks": _callable_name(get_embedding_ranks),
-        "get_position_embedding_ranks": _callable_name(get_position_embedding_ranks),
-        "megatron_holds_own_groups": clash is not None,
-        "group_cache": group_cache.enabled(),
-    }
-    cache_key = (_cache_key(config, timeout, members, nccl_communicator_config_path, high_priority_stream_groups)
-                 if group_cache.enabled() else None)  # only the cache needs the topology's name
+    config = {**args.comparable(), "megatron_holds_own_groups": clash is not None, "group_cache": group_cache.enabled()}
+    cache_key = _cache_key(config, members) if group_cache.enabled() else None  # only the cache needs it
+    config = {k: v for k, v in config.items() if k not in LOCAL}
     caches_agree = None  # unknown: the build compares the caches itself
     if check_consistency:
         from parallel_state.groups.consistency import check_same_everywhere
@@ -137,25 +91,12 @@ def initialize_model_parallel(
         raise ParallelStateError(clash)
 
     try:
-        plan, vpp, backend, (nccl_options, nccl_key) = _validated(
-            dist.get_world_size() if members is None else len(members), tp, cp, pp, members=members,
-            spelled={"tp": tp_size, "cp": cp_size, "pp": pp_size}, order=order,
-            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-            pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend, use_sharp=use_sharp,
-            hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
-            hybrid_context_parallel=hybrid_context_parallel, expert_model_parallel_size=expert_model_parallel_size,
-            num_distributed_optimizer_instances=num_distributed_optimizer_instances,
-            expert_tensor_parallel_size=expert_tensor_parallel_size,
-            nccl_communicator_config_path=nccl_communicator_config_path, get_embedding_ranks=get_embedding_ranks,
-            get_position_embedding_ranks=get_position_embedding_ranks,
-            create_gloo_process_groups=create_gloo_process_groups,
-            high_priority_stream_groups=high_priority_stream_groups, sharp_enabled_group=sharp_enabled_group,
-            create_all_gather_group=create_all_gather_group,
-        )
-        state = _st.build(plan, timeout=timeout, create_gloo_process_groups=create_gloo_process_groups,
-                          pipeline_backend=backend, nccl_options=nccl_options, nccl_key=nccl_key,
-                          virtual_pipeline_size=vpp, sharp_kind=_sharp_kind(use_sharp, sharp_enabled_group),
-                          cache_key=cache_key, caches_agree=caches_agree)
+        args = args.validated()
+        plan, (nccl_options, nccl_key) = _planned(args, members)
+        state = _st.build(plan, timeout=timeout, create_gloo_process_groups=args.create_gloo_process_groups,
+                          pipeline_backend=args.pipeline_model_parallel_comm_backend, nccl_options=nccl_options,
+                          nccl_key=nccl_key, virtual_pipeline_size=args.virtual_pipeline_model_parallel_size,
+                          sharp_kind=args.sharp_kind(), cache_key=cache_key, caches_agree=caches_agree)
     except Exception as exc:
         # Ranks that agreed on the arguments fail alike here, unless their environments
         # differ (a missing file, a backend one node lacks): either way, tell the others, so
@@ -176,91 +117,72 @@ def initialize_model_parallel(
         raise
 
 
-def _validated(world: int, tp: Any, cp: Any, pp: Any, *, spelled: dict[str, Any], members: Any = None,
-               **kw: Any) -> tuple[Any, ...]:
-    """Check every argument's type and value; the plan, vpp, pipeline backend and NCCL options."""
-    from parallel_state.topology import arguments as a
-
-    # Each size is named as the caller spelled it.
-    tp = a.positive_int("tp_size" if spelled["tp"] is not None else "tensor_model_parallel_size", tp)
-    cp = a.positive_int("cp_size" if spelled["cp"] is not None else "context_parallel_size", cp)
-    pp = a.positive_int("pp_size" if spelled["pp"] is not None else "pipeline_model_parallel_size", pp)
-    ep = a.positive_int("expert_model_parallel_size", kw["expert_model_parallel_size"])
-    instances = a.positive_int("num_distributed_optimizer_instances", kw["num_distributed_optimizer_instances"])
-    etp = a.optional_positive_int("expert_tensor_parallel_size", kw["expert_tensor_parallel_size"])
-    vpp = a.optional_positive_int("virtual_pipeline_model_parallel_size", kw["virtual_pipeline_model_parallel_size"])
-    for name in ("use_sharp", "hybrid_context_parallel", "create_gloo_process_groups"):
-        a.flag(name, kw[name])
-    if kw["create_all_gather_group"] is not None:  # Megatron's type is Optional[bool]
-        a.flag("create_all_gather_group", kw["create_all_gather_group"])
-    backend = a.optional_str("pipeline_model_parallel_comm_backend", kw["pipeline_model_parallel_comm_backend"], "gloo")
-    a.optional_str("sharp_enabled_group", kw["sharp_enabled_group"], "dp")
-    for name in ("get_embedding_ranks", "get_position_embedding_ranks"):
-        a.optional_callable(name, kw[name])
-    priority = a.optional_str_list("high_priority_stream_groups", kw["high_priority_stream_groups"], "cp")
-    config_path = kw["nccl_communicator_config_path"]
-    if config_path is not None and not isinstance(config_path, (str, os.PathLike)):
-        raise ParallelStateTypeError(
-            f"nccl_communicator_config_path must be the path of a YAML file or None, got {config_path!r}"
-        )
-    if kw["sharp_enabled_group"] is not None:
-        if not kw["use_sharp"]:
-            raise ParallelStateAssertionError(
-                f"sharp_enabled_group={kw['sharp_enabled_group']!r} is only valid with use_sharp=True; pass "
-                f"use_sharp=True or leave sharp_enabled_group None"
-            )
-        if kw["sharp_enabled_group"] not in ("dp", "dp_replica"):
-            raise ParallelStateAssertionError(
-                f"sharp_enabled_group={kw['sharp_enabled_group']!r} is not a SHARP group; use 'dp' or 'dp_replica'"
-            )
-        if kw["sharp_enabled_group"] == "dp_replica" and instances == 1:
-            raise ParallelStateAssertionError(
-                "sharp_enabled_group='dp_replica' needs num_distributed_optimizer_instances > 1 (the replica "
-                "group spans the instances)"
-            )
-    if backend not in (None, "nccl", "gloo", "ucc"):
-        raise ParallelStateError(
-            f"pipeline_model_parallel_comm_backend={backend!r} is not a backend; use None (the default "
-            f"group's), 'nccl', 'gloo' or 'ucc'"
-        )
+def _planned(args: InitArguments, members: tuple[int, ...] | None) -> tuple[TopologyPlan, Any]:
+    """The plan of validated ``args`` and each kind's NCCL options, after the checks that need this process."""
     import torch.distributed as dist
 
+    backend = args.pipeline_model_parallel_comm_backend
     if backend is not None and not dist.is_backend_available(backend):
         raise ParallelStateError(
             f"pipeline_model_parallel_comm_backend={backend!r} is not available in this torch build; "
             f"use None (the default group's backend) or one this build has"
         )
-    plan = TopologyPlan(
-        world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=kw["order"],
-        hierarchical_cp=kw["hierarchical_context_parallel_sizes"], dist_opt_instances=instances,
-        hybrid_cp=kw["hybrid_context_parallel"], all_gather=bool(kw["create_all_gather_group"]),
-        embedding_ranks=kw["get_embedding_ranks"], position_embedding_ranks=kw["get_position_embedding_ranks"],
-        ranks=members,
-    )
+    plan = args.plan(dist.get_world_size() if members is None else len(members), members)
     # The callables are the caller's code: run them on this rank's pipeline now, so a bad
     # return value is an error here, before any group exists.
     for kind in ("embd", "pos-embd"):
         plan.group_ranks(kind, dist.get_rank())
-    if vpp is not None and plan.pp <= 1:
+    if args.virtual_pipeline_model_parallel_size is not None and plan.pp <= 1:
         raise ParallelStateError(
             "virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1 "
             "(the interleaved schedule has nothing to interleave otherwise)"
         )
-    return plan, vpp, backend, _nccl_options(config_path, priority)
+    return plan, _nccl_options(args.nccl_communicator_config_path, args.high_priority_stream_groups)
 
 
-def _callable_name(fn: Any) -> Any:
-    """A callable as ranks can compare it: its qualified name (None stays None)."""
-    if fn is None or not callable(fn):
-        return fn if fn is None else repr(type(fn))
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+def create_all_gather_groups(for_expert_parallelism: bool = False, timeout: datetime.timedelta | None = None,
+                             nccl_comm_cfgs: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """megatron-core 0.18's separate all-gather communicators (for all-gather / reduce-scatter overlap).
 
+    Returns ``(dp_cp_ag, expt_dp_ag)``: a second group with this rank's dp x cp ranks and, with
+    ``for_expert_parallelism`` and expert parallelism, a second group with its expert dp ranks
+    (else None). Every rank of the topology calls it alike; called again, or after
+    ``initialize_model_parallel(create_all_gather_group=True)``, it returns the groups it has.
+    ``destroy_model_parallel()`` frees them with the rest (megatron-core leaves them to the
+    caller). ``timeout`` None means the topology's timeout; ``nccl_comm_cfgs`` is megatron-core's
+    dict of NCCL settings per section (``dp_cp``, ``ep_dp``).
+    """
+    import dataclasses
 
-def _sharp_kind(use_sharp: bool, sharp_enabled_group: str | None) -> str | None:
-    """The kind whose NCCL communicator SHARP is enabled for (megatron-core: dp x cp, or the replica group)."""
-    if not use_sharp:
-        return None
-    return "edp-inter" if sharp_enabled_group == "dp_replica" else "dp-cp"
+    from parallel_state.groups.nccl import get_nccl_options
+    from parallel_state.topology import arguments as a
+
+    state = _st.peek()
+    if state is None:
+        raise ParallelStateError(
+            "create_all_gather_groups() requires parallel state to be initialized: call "
+            "parallel_state.initialize_model_parallel() first"
+        )
+    from parallel_state.groups.consistency import check_same_everywhere
+
+    expert = a.flag("for_expert_parallelism", for_expert_parallelism)
+    timeout = state.timeout if timeout is None else a.positive_timedelta("timeout", timeout)
+    if nccl_comm_cfgs is not None and not isinstance(nccl_comm_cfgs, dict):
+        raise ParallelStateTypeError(f"nccl_comm_cfgs must be a dict of section -> NCCL settings or None, got "
+                                     f"{nccl_comm_cfgs!r}")
+    cfgs = nccl_comm_cfgs or {}
+    # Every rank of the topology must ask for the same groups, or their group names would not line up.
+    check_same_everywhere("create_all_gather_groups", {"for_expert_parallelism": expert, "timeout":
+                          timeout.total_seconds(), "nccl_comm_cfgs": repr(cfgs)}, timeout=timeout,
+                          members=state.plan.ranks)
+    plan = dataclasses.replace(state.plan, all_gather=True, expert_all_gather=expert or state.plan.expert_all_gather)
+    added = _st.extend(plan, timeout=timeout,
+                       nccl_options=lambda kind: get_nccl_options(row(kind).nccl, cfgs) if cfgs else None,
+                       nccl_key=lambda kind: repr(cfgs.get(row(kind).nccl)))
+    if added:
+        _bridge_if_megatron_loaded()
+    state = _st.current("create_all_gather_groups")
+    return state.groups["dp-cp-ag"], state.groups.get("edp-ag") if expert else None
 
 
 def _confirm(error: BaseException | None, timeout: datetime.timedelta, members: Any = None) -> None:
@@ -270,44 +192,41 @@ def _confirm(error: BaseException | None, timeout: datetime.timedelta, members: 
     confirm_everywhere("initialize_model_parallel group creation", error, timeout=2 * timeout, members=members)
 
 
-def _members(ranks: Any) -> tuple[int, ...] | None:
-    """``ranks`` checked (distinct global ranks of the world, holding this rank), ascending; None for all."""
-    if ranks is None:
-        return None
+def _members(args: InitArguments) -> tuple[int, ...] | None:
+    """The global ranks to build over, ascending (None: the whole world; () : not this rank's topology).
+
+    ``ranks`` must hold the caller; ``rank_offset`` / ``local_world_size`` (megatron-core 0.17) are
+    called by every rank, and a rank outside their range takes no part.
+    """
     import torch.distributed as dist
 
     from parallel_state.groups.process_groups import _group_members
+    from parallel_state.topology import arguments as a
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return None  # the caller's "not initialized" error says what to do
-    members = tuple(sorted(_group_members(ranks, dist.get_world_size())))
+    world, me = dist.get_world_size(), dist.get_rank()
+    if args.ranks is None:
+        a.non_negative_int("rank_offset", args.rank_offset)
+        a.optional_positive_int("local_world_size", args.local_world_size)
+        subset = args.subset(world)
+        return subset if subset is None or me in subset else ()
+    members = tuple(sorted(_group_members(args.ranks, world)))
     if not members:
         raise ParallelStateError("ranks=[] holds no rank; pass the global ranks to build over, or None for all")
-    if dist.get_rank() not in members:
+    if me not in members:
         raise ParallelStateError(
-            f"rank {dist.get_rank()} called initialize_model_parallel(ranks={list(members)}), which does not hold "
+            f"rank {me} called initialize_model_parallel(ranks={list(members)}), which does not hold "
             f"it; pass the subset this rank belongs to (each rank passes its own subset's ranks)"
         )
     return members
 
 
-def _cache_key(config: dict[str, Any], timeout: datetime.timedelta, members: Any, nccl_path: Any,
-               priority: Any) -> str:
+def _cache_key(config: dict[str, Any], members: Any) -> str:
     """The topology's name in the group cache: everything the groups depend on, equal on every rank."""
     import hashlib
     import json
 
-    what = json.dumps([config, timeout.total_seconds(), members, str(nccl_path), priority], sort_keys=True,
-                      default=repr)
+    what = json.dumps([config, members], sort_keys=True, default=repr)
     return hashlib.sha1(what.encode()).hexdigest()[:16]
-
-
-def _comparable_order(order: Any, tp: Any, cp: Any, pp: Any) -> Any:
-    """``order`` as the layout it means (tokens completed, lower case) when valid, else as given."""
-    try:
-        return TopologyPlan(tp * cp * pp, tp=tp, cp=cp, pp=pp, order=order).order
-    except Exception:
-        return order
 
 
 def _set_companions() -> None:

@@ -16,7 +16,7 @@ from parallel_state.megatron.answers import ANSWERS, OVERRIDES
 
 #: megatron-core global -> the answer it holds: each kind's group (and gloo twin) from its row, then the rest.
 FROM_ANSWERS: dict[str, str] = {
-    **{r.megatron: f"{kind}.group" for kind, r in ROWS.items()},
+    **{r.megatron: f"{kind}.group" for kind, r in ROWS.items() if r.megatron},
     **{r.gloo: f"{kind}.gloo" for kind, r in ROWS.items() if r.gloo},
     "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS": "hcp.groups",
     "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": "vpp.rank",
@@ -30,6 +30,8 @@ FROM_ANSWERS: dict[str, str] = {
     "_MODEL_PARALLEL_GLOBAL_RANKS": "tp-pp.ranks",
     "_CONTEXT_PARALLEL_GLOBAL_RANKS": "cp.ranks",
     "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": "dp-cp.ranks",
+    "_GTP_WEIGHT_REMAT_GLOBAL_RANKS": "gtp.ranks",
+    "_EXPERT_GTP_WEIGHT_REMAT_GLOBAL_RANKS": "egtp.ranks",
 }
 
 #: megatron-core's _MPU_* caches -> our set_* override keys; they win over the groups in both.

@@ -14,8 +14,10 @@ from typing import Iterator
 from parallel_state.errors import ParallelStateError, ParallelStateTypeError
 from parallel_state.topology.arguments import is_int, positive_int
 
-#: Megatron's dimension tokens and its default order.
-DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
+#: Megatron's dimension tokens and its default order. ``gtp_remat`` (megatron-core 0.19's generalized
+#: tensor parallelism) takes part in a layout only where an order names it: ``TopologyPlan`` inserts it
+#: where megatron-core 0.19 does when its size exceeds 1, and a dimension of size 1 changes no group.
+DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp", "gtp_remat")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 
 
@@ -37,7 +39,12 @@ def normalize_order(order: str, sizes: dict[str, int]) -> tuple[str, ...]:
     repeated = sorted({t for t in tokens if tokens.count(t) > 1})
     if repeated:
         raise ParallelStateError(f"order {order!r} repeats token(s) {repeated}; name each once")
-    # Megatron appends missing tokens in the order of its name_to_size table.
+    # Megatron appends missing tokens in the order of its name_to_size table. An unnamed gtp_remat
+    # of size 1 stays out, so that every order of the releases before it reads as it did.
+    if "gtp_remat" not in tokens and sizes.get("gtp_remat", 1) != 1:
+        raise ParallelStateError(
+            f"gtp_remat size is {sizes['gtp_remat']} but order {order!r} does not name 'gtp_remat'; add it to the order"
+        )
     for name in ("tp", "pp", "dp", "ep", "cp"):
         if name not in tokens:
             if sizes.get(name, 1) != 1:
@@ -47,6 +54,22 @@ def normalize_order(order: str, sizes: dict[str, int]) -> tuple[str, ...]:
                 )
             tokens.append(name)
     return tuple(tokens)
+
+
+def insert_gtp_remat(order: str, after: str) -> str:
+    """``order`` with the ``gtp_remat`` token where megatron-core 0.19 puts it: right after ``after``
+    ('tp' for the decoder layout, 'ep' for the expert one), after 'tp' where ``after`` is missing, first
+    where both are. The tokens are matched as written (megatron-core does not lower-case them here), and
+    an order that names gtp_remat already is kept.
+    """
+    if not isinstance(order, str):
+        raise ParallelStateTypeError(f"order must be a string like {DEFAULT_ORDER!r}, got {order!r}")
+    tokens = order.split("-")
+    if "gtp_remat" in tokens:
+        return order
+    anchor = after if after in tokens else "tp"
+    tokens.insert(tokens.index(anchor) + 1 if anchor in tokens else 0, "gtp_remat")
+    return "-".join(tokens)
 
 
 @dataclass(frozen=True)
@@ -63,18 +86,20 @@ class Grid:
     pp: int = 1
     ep: int = 1
     order: str = DEFAULT_ORDER
+    gtp_remat: int = 1
     dims: tuple[str, ...] = field(init=False, repr=False)
     _stride: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "world_size", positive_int("world_size", self.world_size))
-        for name in ("tp", "cp", "pp", "ep"):
+        for name in ("tp", "cp", "pp", "ep", "gtp_remat"):
             object.__setattr__(self, name, positive_int(f"{name} size", getattr(self, name)))
-        model = self.tp * self.cp * self.pp * self.ep
+        model = self.tp * self.cp * self.pp * self.ep * self.gtp_remat
         if self.world_size % model:
+            names = ["tp", "cp", "pp", "ep"] + (["gtp_remat"] if self.gtp_remat > 1 else [])
             raise ParallelStateError(
-                f"world size {self.world_size} is not divisible by tp*cp*pp*ep = "
-                f"{self.tp}*{self.cp}*{self.pp}*{self.ep} = {model}; choose sizes whose product "
+                f"world size {self.world_size} is not divisible by {'*'.join(names)} = "
+                f"{'*'.join(str(getattr(self, n)) for n in names)} = {model}; choose sizes whose product "
                 f"divides the world size"
             )
         dims = normalize_order(self.order, self.sizes)
@@ -88,13 +113,13 @@ class Grid:
 
     @property
     def dp(self) -> int:
-        """Data-parallel size: what is left of the world after tp, cp, pp and ep."""
-        return self.world_size // (self.tp * self.cp * self.pp * self.ep)
+        """Data-parallel size: what is left of the world after tp, cp, pp, ep and gtp_remat."""
+        return self.world_size // (self.tp * self.cp * self.pp * self.ep * self.gtp_remat)
 
     @property
     def sizes(self) -> dict[str, int]:
         """Size of every dimension, keyed by token."""
-        return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": self.dp, "pp": self.pp}
+        return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": self.dp, "pp": self.pp, "gtp_remat": self.gtp_remat}
 
     def size(self, dim: str) -> int:
         """Size of one dimension."""

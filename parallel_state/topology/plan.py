@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
 from parallel_state.topology.arguments import positive_int
-from parallel_state.topology.grid import DEFAULT_ORDER, DIMS, Grid, normalize_order  # noqa: F401  (re-exported)
+from parallel_state.topology.grid import DEFAULT_ORDER, DIMS, Grid, insert_gtp_remat, normalize_order  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class InstanceKind:
 KindSpec = Any  # one of the dataclasses above
 
 #: Kinds that are a separate group even where another kind has the same ranks.
-SEPARATE = ("dp-cp-ag",)
+SEPARATE = ("dp-cp-ag", "edp-ag")
 
 
 def _member_order(ranks: tuple[int, ...]) -> tuple[int, ...]:
@@ -77,9 +77,13 @@ class TopologyPlan:
     ``ep`` and ``etp`` (default ``tp``) size the expert grid; ``hierarchical_cp`` splits each
     context-parallel group level by level; ``dist_opt_instances`` splits the data-parallel
     domain into distributed-optimizer instances; ``hybrid_cp`` adds power-of-two blocks of each
-    dp x cp group; ``all_gather`` adds a second dp x cp group for all-gathers;
+    dp x cp group; ``all_gather`` adds a second dp x cp group for all-gathers, ``expert_all_gather``
+    a second expert dp group (with ep > 1);
     ``embedding_ranks`` / ``position_embedding_ranks`` pick the embedding stages from a
-    pipeline's ranks (megatron-core's defaults: first and last, first).
+    pipeline's ranks (megatron-core's defaults: first and last, first). ``gtp`` and ``egtp`` are
+    megatron-core 0.19's generalized tensor parallelism with weight rematerialization
+    (``gtp_remat_size``, ``expert_gtp_remat_size``): a ``gtp_remat`` dimension of each grid, inserted
+    after tp (decoder) and after ep (expert) as megatron-core 0.19 inserts it.
     """
 
     world_size: int
@@ -93,6 +97,10 @@ class TopologyPlan:
     dist_opt_instances: int = 1
     hybrid_cp: bool = False
     all_gather: bool = False
+    #: The expert data-parallel all-gather group (megatron-core 0.18's create_all_gather_groups), with ep > 1.
+    expert_all_gather: bool = False
+    gtp: int = 1
+    egtp: int = 1
     embedding_ranks: Callable[..., Any] | None = field(default=None, compare=False)
     position_embedding_ranks: Callable[..., Any] | None = field(default=None, compare=False)
     #: The global ranks the plan lays out, ascending (None: ``0 .. world_size - 1``). The layout is
@@ -108,32 +116,47 @@ class TopologyPlan:
         tp, cp, pp = (positive_int(f"{n} size", getattr(self, n)) for n in ("tp", "cp", "pp"))
         ep = positive_int("ep size", self.ep)
         etp = tp if self.etp is None else positive_int("etp size", self.etp)
-        if world % (tp * cp * pp):
+        gtp, egtp = positive_int("gtp_remat size", self.gtp), positive_int("expert gtp_remat size", self.egtp)
+        if world % (tp * cp * pp * gtp):
+            gtp_part = ("*gtp_remat", f"*{gtp}") if gtp > 1 else ("", "")
             raise ParallelStateError(
-                f"world size {world} is not divisible by tp*cp*pp = {tp}*{cp}*{pp} = {tp * cp * pp}; choose "
-                f"sizes whose product divides the world size"
+                f"world size {world} is not divisible by tp*cp*pp{gtp_part[0]} = {tp}*{cp}*{pp}{gtp_part[1]} = "
+                f"{tp * cp * pp * gtp}; choose sizes whose product divides the world size"
             )
-        if world % (etp * ep * pp):
+        if world % (etp * ep * pp * egtp):
+            egtp_part = ("*expert gtp_remat", f"*{egtp}") if egtp > 1 else ("", "")
             raise ParallelStateError(
-                f"world size {world} is not divisible by expert tp*ep*pp = {etp}*{ep}*{pp} = {etp * ep * pp}; "
-                f"choose expert_tensor_parallel_size and expert_model_parallel_size whose product with pp divides it"
+                f"world size {world} is not divisible by expert tp*ep*pp{egtp_part[0]} = {etp}*{ep}*{pp}{egtp_part[1]} "
+                f"= {etp * ep * pp * egtp}; choose expert_tensor_parallel_size and expert_model_parallel_size whose "
+                f"product with pp divides it"
+            )
+        instances = positive_int("dist_opt_instances", self.dist_opt_instances)
+        if (gtp > 1 or egtp > 1) and instances > 1:
+            raise ParallelStateAssertionError(
+                f"gtp_remat_size={gtp} / expert_gtp_remat_size={egtp} with num_distributed_optimizer_instances="
+                f"{instances}: megatron-core 0.19 supports generalized tensor parallelism with one optimizer "
+                f"instance only; pass num_distributed_optimizer_instances=1 or gtp sizes of 1"
             )
         normalize_order(self.order, {"tp": tp, "cp": cp, "pp": pp, "ep": ep})  # names every size > 1
-        decoder = Grid(world, tp=tp, cp=cp, pp=pp, order=self.order)
-        expert = Grid(world, tp=etp, ep=ep, pp=pp, order=self.order)
-        if decoder.signature("pp") != expert.signature("pp") and ep == 1 and etp == tp:
+        # The gtp_remat dimension goes where megatron-core 0.19 inserts it; of size 1 it changes no group.
+        decoder = Grid(world, tp=tp, cp=cp, pp=pp, gtp_remat=gtp,
+                       order=insert_gtp_remat(self.order, "tp") if gtp > 1 else self.order)
+        expert = Grid(world, tp=etp, ep=ep, pp=pp, gtp_remat=egtp,
+                      order=insert_gtp_remat(self.order, "ep") if egtp > 1 else self.order)
+        if decoder.signature("pp") != expert.signature("pp") and ep == 1 and etp == tp and egtp == gtp:
             # megatron-core refuses this order (its expert layout has no cp, so its pipelines
             # would differ from the decoder's); without expert parallelism there is nothing to
             # lay out apart, so the expert groups are the decoder's (expert dp = dp x cp).
             expert = decoder
         elif decoder.signature("pp") != expert.signature("pp"):
+            with_gtp = gtp > 1 or egtp > 1
             raise ParallelStateAssertionError(
-                f"order {self.order!r} puts pp after dp, so the expert layout (expert tp {etp} x ep {ep}) must "
-                f"have the decoder's data-parallel size ({decoder.dp}), but it has {expert.dp}: make "
-                f"expert_tensor_parallel_size * expert_model_parallel_size equal tp * cp ({tp * cp}), or end "
-                f"the order with 'pp'"
+                f"order {self.order!r} puts pp after dp, so the expert layout (expert tp {etp} x ep {ep}"
+                f"{f' x expert gtp_remat {egtp}' if with_gtp else ''}) must have the decoder's data-parallel size "
+                f"({decoder.dp}), but it has {expert.dp}: make expert_tensor_parallel_size * expert_model_parallel_size"
+                f"{' * expert_gtp_remat_size' if with_gtp else ''} equal tp * cp{' * gtp_remat_size' if with_gtp else ''} "
+                f"({tp * cp * gtp}), or end the order with 'pp'"
             )
-        instances = positive_int("dist_opt_instances", self.dist_opt_instances)
         edp = expert.dp * (cp if expert is decoder else 1)
         if (decoder.dp * cp) % instances or edp % instances:
             raise ParallelStateAssertionError(
@@ -173,7 +196,8 @@ class TopologyPlan:
             fn = getattr(self, name)
             if fn is not None and not callable(fn):
                 raise ParallelStateTypeError(f"{name} must be a function of the pipeline's ranks, got {fn!r}")
-        for name, value in (("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep), ("etp", etp), ("world_size", world),
+        for name, value in (("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep), ("etp", etp), ("gtp", gtp),
+                            ("egtp", egtp), ("world_size", world),
                             ("order", decoder.order), ("hierarchical_cp", hierarchical or None),
                             ("dist_opt_instances", instances), ("decoder", decoder), ("expert", expert)):
             object.__setattr__(self, name, value)
@@ -181,10 +205,18 @@ class TopologyPlan:
 
     def _kind_table(self) -> dict[str, KindSpec]:
         """Every kind, in creation order: the rows that state, accessors and bridge read."""
-        kinds: dict[str, KindSpec] = {k: GridKind("decoder", k) for k in (
-            "dp-cp", "dp", "cp", "tp-pp", "tp", "pp", "tp-dp-cp", "tp-dp", "tp-cp")}
+        # megatron-core 0.19 builds the gtp_remat groups first; the model-parallel, tp x dp (x cp)
+        # groups span gtp_remat, the plain dp (x cp) ones replicate across it.
+        kinds: dict[str, KindSpec] = {"gtp": GridKind("decoder", "gtp_remat")}
+        kinds.update({k: GridKind("decoder", dims) for k, dims in (
+            ("dp-cp", "dp-cp"), ("dp", "dp"), ("gtp-dp", "gtp_remat-dp"), ("gtp-dp-cp", "gtp_remat-dp-cp"),
+            ("cp", "cp"), ("tp-pp", "tp-gtp_remat-pp"), ("tp", "tp"), ("pp", "pp"),
+            ("tp-dp-cp", "tp-gtp_remat-dp-cp"), ("tp-dp", "tp-gtp_remat-dp"), ("tp-cp", "tp-cp"))})
         n = self.decoder.dp * self.cp
         kinds["dp-cp-intra"] = SplitKind("dp-cp", (n // self.dist_opt_instances, self.dist_opt_instances), 0)
+        # One instance whenever gtp_remat > 1: the split is the whole full group (never built: it shares).
+        kinds["gtp-dp-cp-intra"] = SplitKind("gtp-dp-cp", (n * self.gtp // self.dist_opt_instances,
+                                                           self.dist_opt_instances), 0)
         if self.all_gather:
             kinds["dp-cp-ag"] = GridKind("decoder", "dp-cp")
         for level in range(len(self.hierarchical_cp or ())):
@@ -194,15 +226,32 @@ class TopologyPlan:
                 kinds[f"dp-cp-hybrid{size}"] = BlockKind("dp-cp", size)
         kinds["embd"] = PickKind("embedding")
         kinds["pos-embd"] = PickKind("position_embedding")
-        for name, dims in (("ep", "ep"), ("etp", "tp"), ("etp-ep", "tp-ep"), ("etp-ep-pp", "tp-ep-pp"),
-                           ("edp", "dp-cp" if self.expert is self.decoder else "dp")):
+        edp = "dp-cp" if self.expert is self.decoder else "dp"
+        for name, dims in (("egtp", "gtp_remat"), ("ep", "ep"), ("etp", "tp"), ("etp-ep", "tp-ep"),
+                           ("etp-ep-pp", "tp-ep-pp"), ("etp-ep-egtp-pp", "tp-ep-gtp_remat-pp"), ("edp", edp),
+                           ("egtp-edp", f"gtp_remat-{edp}")):
             kinds[name] = GridKind("expert", dims)
         m, instances = self.edp // self.dist_opt_instances, self.dist_opt_instances
         kinds["edp-intra"] = SplitKind("edp", (m, instances), 0)
+        kinds["egtp-edp-intra"] = SplitKind("egtp-edp", (m * self.egtp, instances), 0)
+        if self.expert_all_gather and self.ep > 1:
+            kinds["edp-ag"] = GridKind("expert", edp)
         if instances > 1:
             kinds["edp-inter"] = SplitKind("edp", (m, instances), 1)
+        # megatron-core 0.19: with gtp_remat or expert gtp_remat the instance is the whole world (one instance).
         kinds["dist-opt"] = InstanceKind(m)
         return kinds
+
+    def gloo_allowed(self, kind: str) -> bool:
+        """Whether megatron-core builds a gloo twin of ``kind`` (if asked to) for this plan.
+
+        megatron-core 0.19 builds no gloo groups under generalized tensor parallelism: none of the
+        decoder's when gtp_remat > 1, and none of the expert's when either gtp_remat size is.
+        """
+        if kind not in self.kinds:
+            return False
+        expert = isinstance(self.kinds[kind], GridKind) and self.kinds[kind].grid == "expert" or kind.startswith("edp")
+        return self.gtp == 1 and (not expert or self.egtp == 1)
 
     # --- sizes -----------------------------------------------------------------------------
 
@@ -213,8 +262,8 @@ class TopologyPlan:
 
     @property
     def edp(self) -> int:
-        """Expert data-parallel size: what is left of the world after expert tp, ep and pp."""
-        return self.world_size // (self.etp * self.ep * self.pp)
+        """Expert data-parallel size: what is left of the world after expert tp, ep, pp and expert gtp_remat."""
+        return self.world_size // (self.etp * self.ep * self.pp * self.egtp)
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -224,12 +273,12 @@ class TopologyPlan:
     @property
     def sizes(self) -> dict[str, int]:
         """Size of every decoder dimension, keyed by token (ep is the expert grid's)."""
-        return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": self.dp, "pp": self.pp}
+        return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": self.dp, "pp": self.pp, "gtp_remat": self.gtp}
 
     def size(self, dim: str) -> int:
-        """Size of one dimension (``ep``, ``etp`` and ``edp`` are the expert grid's)."""
-        if dim in ("ep", "etp", "edp"):
-            return {"ep": self.ep, "etp": self.etp, "edp": self.edp}[dim]
+        """Size of one dimension (``ep``, ``etp``, ``edp`` and ``egtp`` are the expert grid's)."""
+        if dim in ("ep", "etp", "edp", "egtp"):
+            return {"ep": self.ep, "etp": self.etp, "edp": self.edp, "egtp": self.egtp}[dim]
         return self.decoder.size(dim)
 
     def coords(self, rank: int) -> dict[str, int]:

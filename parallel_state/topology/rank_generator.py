@@ -21,8 +21,9 @@ from parallel_state.errors import (
     ParallelStateTypeError,
     ParallelStateValueError,
 )
+from parallel_state.topology import releases
 from parallel_state.topology.arguments import flag, is_int, non_negative_int, positive_int
-from parallel_state.topology.grid import Grid
+from parallel_state.topology.grid import Grid, normalize_order
 from parallel_state.topology.plan import default_embedding_ranks, default_position_embedding_ranks, hybrid_sizes  # noqa: F401
 
 
@@ -50,12 +51,15 @@ class RankGenerator:
     ``order`` names the dimensions fastest-varying first; a dimension it leaves out is appended
     (allowed only for size 1). ``rank_offset`` is added to every rank (the expert layout of a
     pipeline placed after another). ep and cp cannot both exceed 1 (megatron-core lays them out
-    in two separate generators).
+    in two separate generators). ``gtp_remat`` (megatron-core 0.19) sizes the generalized
+    tensor-parallel dimension; as in 0.19, where the release in use is 0.19 the order gains the
+    ``gtp_remat`` token at its end when it does not name it.
     """
 
-    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0) -> None:
-        sizes = {name: positive_int(f"{name} size", value)
-                 for name, value in (("tp", tp), ("ep", ep), ("dp", dp), ("pp", pp), ("cp", cp))}
+    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0,
+                 gtp_remat: int = 1) -> None:
+        sizes = {name: positive_int(f"{name} size", value) for name, value in (
+            ("tp", tp), ("ep", ep), ("dp", dp), ("pp", pp), ("cp", cp), ("gtp_remat", gtp_remat))}
         if sizes["ep"] > 1 and sizes["cp"] > 1:
             raise ParallelStateAssertionError(
                 f"ep={sizes['ep']} and cp={sizes['cp']} are both > 1, which one RankGenerator cannot lay out: "
@@ -64,16 +68,23 @@ class RankGenerator:
         # megatron-core ignores a negative offset; one is always a mistake, so say so.
         self.rank_offset = non_negative_int("rank_offset", rank_offset)
         self.tp, self.ep, self.dp, self.pp, self.cp = (sizes[n] for n in ("tp", "ep", "dp", "pp", "cp"))
+        self.gtp_remat = sizes["gtp_remat"]
         self.world_size = math.prod(sizes.values())
-        # megatron-core's table, in its insertion order (the order missing tokens are appended in).
+        # megatron-core's table, in its insertion order (the order missing tokens are appended in);
+        # 0.19 adds gtp_remat, which it appends last.
         self.name_to_size = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep, "cp": self.cp}
-        self._grid = Grid(self.world_size, tp=self.tp, cp=self.cp, pp=self.pp, ep=self.ep, order=order)
+        if self.gtp_remat > 1 or releases.at_least(releases.in_use(), "0.19"):
+            self.name_to_size["gtp_remat"] = self.gtp_remat
+            tokens = normalize_order(order, sizes)
+            order = "-".join(tokens if "gtp_remat" in tokens else (*tokens, "gtp_remat"))
+        self._grid = Grid(self.world_size, tp=self.tp, cp=self.cp, pp=self.pp, ep=self.ep, gtp_remat=self.gtp_remat,
+                          order=order)
         self.order = self._grid.order
         self.ordered_size = [self.name_to_size[token] for token in self._grid.dims]
 
     def __repr__(self) -> str:
         return (f"RankGenerator(tp={self.tp}, ep={self.ep}, dp={self.dp}, pp={self.pp}, cp={self.cp}, "
-                f"order={self.order!r}, rank_offset={self.rank_offset})")
+                f"order={self.order!r}, rank_offset={self.rank_offset}, gtp_remat={self.gtp_remat})")
 
     def get_mask(self, order: str, token: str) -> list[bool]:
         """One bool per token of ``order``: whether ``token`` (e.g. ``'tp-dp'``) names it."""
@@ -96,10 +107,22 @@ class RankGenerator:
         Each group's ranks, and the groups, are listed with the dimensions of ``order``
         fastest-varying first; ``rank_offset`` is added to every rank.
         """
-        mask = self.get_mask(self.order, token)
-        kind = "-".join(d for d, m in zip(self._grid.dims, mask, strict=True) if m)
+        # gtp_remat of size 1 outside the order (releases before 0.19 do not name it) selects nothing.
+        unnamed = isinstance(token, str) and "gtp_remat" in token.split("-") and "gtp_remat" not in self.order.split("-")
+        named = "-".join(t for t in token.split("-") if t != "gtp_remat") if unnamed else token
+        mask = self.get_mask(self.order, named) if named or not unnamed else [False] * len(self._grid.dims)
+        kind = "-".join(d for d, m in zip(self._grid.dims, mask, strict=True) if m) or "gtp_remat"
         offset = self.rank_offset
         return [[r + offset for r in group] for group in self._grid.groups(kind)]
+
+    def get_gtp_ranks(self, gtp_remat_size: int) -> list[list[int]]:
+        """The gtp_remat weight-sharding groups (megatron-core 0.19); singletons with ``gtp_remat_size`` 1."""
+        if positive_int("gtp_remat_size", gtp_remat_size) != self.gtp_remat:
+            raise ParallelStateAssertionError(
+                f"gtp_remat_size={gtp_remat_size} is not this generator's gtp_remat size ({self.gtp_remat}); "
+                f"pass the size the generator was built with"
+            )
+        return self.get_ranks("gtp_remat")
 
 
 def generate_masked_orthogonal_rank_groups(

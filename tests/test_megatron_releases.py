@@ -1,0 +1,348 @@
+"""megatron-core 0.17, 0.18 and 0.19 beside 0.16: the release in use, gtp_remat, rank_offset, the
+all-gather groups and process-group collections, on real gloo ranks.
+
+The installed megatron-core 0.16.1 is the live oracle elsewhere (test_megatron_parity); 0.17+ needs
+Python >= 3.12, so their facts (read from their release tags) are test data: tests/data/megatron_releases.json,
+checked here against what parallel_state builds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import parallel_state as ps
+from parallel_state import ParallelStateError, TopologyPlan
+from parallel_state.topology import releases
+
+SECONDS = datetime.timedelta(seconds=30)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# --- the release in use ---------------------------------------------------------------------------
+
+def test_the_installed_release_is_read_without_importing_megatron(tmp_path, monkeypatch):
+    package = tmp_path / "megatron" / "core"
+    package.mkdir(parents=True)
+    (package / "package_info.py").write_text("MAJOR = 0\nMINOR = 19\nPATCH = 1\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "elsewhere"), str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "megatron.core.package_info", raising=False)
+    assert releases.installed() == "0.19"
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "elsewhere")])
+    assert releases.installed() is None
+    with pytest.raises(ValueError, match="write it as major.minor"):
+        releases.parse("nineteen")
+
+
+def test_the_test_machine_mirrors_the_installed_megatron_core():
+    from importlib.metadata import version
+
+    assert releases.installed() == ".".join(version("megatron-core").split(".")[:2]) == ps.megatron_release()
+
+
+_PROBE = r"""
+import datetime, inspect, json, os, sys
+import torch.distributed as dist
+import parallel_state as ps
+from parallel_state import RankGenerator
+out = {"release": ps.megatron_release()}
+names = ["initialize_model_parallel", "get_data_parallel_group", "get_data_parallel_rank",
+         "get_expert_data_parallel_group", "get_expert_data_parallel_rank"]
+out["signatures"] = {n: [[p.name, p.kind.name] for p in inspect.signature(getattr(ps, n)).parameters.values()]
+                     for n in names}
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+ps.initialize_model_parallel(timeout=datetime.timedelta(seconds=20))
+def outcome(fn, *args):
+    try:
+        fn(*args)
+        return "ok"
+    except Exception as exc:
+        return type(exc).__name__ + ": " + str(exc)[:400]
+out["dp(False, True)"] = outcome(ps.get_data_parallel_group, False, True)
+out["dp(True, True, True)"] = outcome(ps.get_data_parallel_group, True, True, True)
+out["edp_rank(True)"] = outcome(ps.get_expert_data_parallel_rank, True)
+out["all_ranks"] = ps.get_all_ranks()
+out["rank_generator_order"] = RankGenerator(tp=1, ep=1, dp=1, pp=1, cp=1, order="tp-dp").order
+ps.destroy_model_parallel()
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def _probe(release, tmp_path):
+    env = {**os.environ, releases.ENV: release}
+    run = subprocess.run([sys.executable, "-c", _PROBE, str(tmp_path / f"store{release}")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_a_process_follows_the_release_it_declares(tmp_path):
+    out = _probe("0.19", tmp_path)
+    assert out["release"] == "0.19"
+    positional = {n: [p for p, kind in sig if kind == "POSITIONAL_OR_KEYWORD"] for n, sig in out["signatures"].items()}
+    assert positional["initialize_model_parallel"][9:11] == ["gtp_remat_size", "expert_gtp_remat_size"]
+    assert positional["get_data_parallel_group"][:3] == ["with_context_parallel", "with_gtp_remat",
+                                                         "partial_data_parallel"]
+    assert positional["get_expert_data_parallel_rank"] == ["with_gtp_remat", "partial_expert_data_parallel"]
+    # 0.19 binds the second value to with_gtp_remat; 0.16 would bind partial_data_parallel (an error without cp).
+    assert out["dp(False, True)"] == "ok" and out["dp(True, True, True)"] == "ok" and out["edp_rank(True)"] == "ok"
+    assert out["all_ranks"] == "0_0_0_0_0_0"  # 0.19's format: tp, gtp_remat, dp, cp, pp, ep
+    assert out["rank_generator_order"] == "tp-dp-pp-ep-cp-gtp_remat"
+
+
+def test_an_unknown_release_takes_only_the_positions_every_release_shares(tmp_path):
+    out = _probe("0.20", tmp_path)
+    positional = {n: [p for p, kind in sig if kind == "POSITIONAL_OR_KEYWORD"] for n, sig in out["signatures"].items()}
+    assert len(positional["initialize_model_parallel"]) == 9
+    assert positional["get_data_parallel_group"] == ["with_context_parallel"]
+    assert out["dp(False, True)"].startswith("TypeError") and releases.ENV in out["dp(False, True)"]
+    assert out["edp_rank(True)"].startswith("TypeError")
+
+
+def test_the_installed_release_binds_positional_getters_as_it_does():
+    assert ps.megatron_release() == "0.16"
+    # 0.16: the second value is partial_data_parallel, which needs context parallelism.
+    with pytest.raises(AssertionError, match="partial data parallelism"):
+        ps.get_data_parallel_group(False, True)
+    # 0.16's three, then 0.19's with_gtp_remat, which no 0.16 call reaches.
+    assert [*inspect.signature(ps.get_data_parallel_group).parameters] == [
+        "with_context_parallel", "partial_data_parallel", "independent_all_gather", "with_gtp_remat"]
+    with pytest.raises(TypeError, match="multiple values for argument 'partial_data_parallel'"):
+        ps.get_data_parallel_group(True, False, partial_data_parallel=True)
+
+
+# --- gtp_remat on real ranks -------------------------------------------------------------------------
+
+GTP_TOPOLOGIES = {
+    "gtp2": dict(gtp_remat_size=2),
+    "tp2-gtp2-pp2": dict(tensor_model_parallel_size=2, gtp_remat_size=2, pipeline_model_parallel_size=2),
+    "ep2-egtp2": dict(expert_model_parallel_size=2, expert_gtp_remat_size=2),
+    "gtp2-egtp2-pp2-order-tp-cp-ep-pp-dp": dict(gtp_remat_size=2, expert_gtp_remat_size=2,
+                                                pipeline_model_parallel_size=2, order="tp-cp-ep-pp-dp"),
+    # megatron-core 0.19 matches the tokens as written: in upper case gtp_remat goes first.
+    "tp2-gtp2-order-upper-case": dict(tensor_model_parallel_size=2, gtp_remat_size=2, order="TP-CP-EP-DP-PP"),
+}
+
+#: accessor call -> the kind whose ranks it holds
+GROUP_CALLS = {
+    "get_gtp_weight_remat_group()": "gtp", "get_expert_gtp_weight_remat_group()": "egtp",
+    "get_data_parallel_group()": "gtp-dp", "get_data_parallel_group(with_gtp_remat=False)": "dp",
+    "get_data_parallel_group(with_context_parallel=True)": "gtp-dp-cp",
+    "get_data_parallel_group(with_context_parallel=True, with_gtp_remat=False)": "dp-cp",
+    "get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)": "gtp-dp-cp",
+    "get_model_parallel_group()": "tp-pp", "get_tensor_and_data_parallel_group()": "tp-dp",
+    "get_expert_data_parallel_group()": "egtp-edp", "get_expert_data_parallel_group(with_gtp_remat=False)": "edp",
+    "get_expert_tensor_model_pipeline_parallel_group(with_egtp_remat=True)": "etp-ep-egtp-pp",
+    "get_expert_tensor_model_pipeline_parallel_group()": "etp-ep-pp",
+    "get_intra_distributed_optimizer_instance_group()": "dist-opt",
+}
+
+
+def case_gtp(topologies):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    before = set(c10d._world.pg_map)
+    out = {}
+    for label, kwargs in topologies.items():
+        ps.initialize_model_parallel(**kwargs, timeout=SECONDS)
+        calls = {call: eval(f"ps.{call}") for call in GROUP_CALLS}  # noqa: S307 - the table's own calls
+        ranks = {call: dist.get_process_group_ranks(g) for call, g in calls.items()}
+        # One communicator per kind: the full (gtp) and replicate groups are distinct where gtp_remat > 1.
+        distinct = calls["get_data_parallel_group()"] is not calls["get_data_parallel_group(with_gtp_remat=False)"]
+        sums = {call: None for call in ("get_gtp_weight_remat_group()", "get_data_parallel_group()")}
+        for call in sums:
+            t = torch.tensor([float(dist.get_rank())])
+            dist.all_reduce(t, group=calls[call])
+            sums[call] = t.item()
+        numbers = {"gtp": (ps.get_gtp_weight_remat_rank(), ps.get_gtp_weight_remat_world_size()),
+                   "egtp": (ps.get_expert_gtp_weight_remat_rank(), ps.get_expert_gtp_weight_remat_world_size()),
+                   "dp": (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()),
+                   "dp_replicate": (ps.get_data_parallel_rank(with_gtp_remat=False),
+                                    ps.get_data_parallel_world_size(with_gtp_remat=False)),
+                   "edp": (ps.get_expert_data_parallel_rank(), ps.get_expert_data_parallel_world_size())}
+        try:
+            ps.get_data_parallel_group_gloo()
+            gloo = "built"
+        except AssertionError as exc:
+            gloo = str(exc)
+        out[label] = dict(ranks=ranks, distinct=distinct, sums=sums, numbers=numbers, gloo=gloo,
+                          global_ranks=ps.get_gtp_weight_remat_global_ranks())
+        ps.destroy_model_parallel()
+    out["left"] = len(set(c10d._world.pg_map) - before)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gtp_results(pools):
+    return pools(8).run(case_gtp, GTP_TOPOLOGIES, timeout=240)
+
+
+@pytest.mark.parametrize("label", sorted(GTP_TOPOLOGIES))
+def test_gtp_remat_groups_on_real_ranks(gtp_results, label):
+    kwargs = GTP_TOPOLOGIES[label]
+    plan = TopologyPlan(8, tp=kwargs.get("tensor_model_parallel_size", 1), pp=kwargs.get("pipeline_model_parallel_size", 1),
+                        ep=kwargs.get("expert_model_parallel_size", 1), gtp=kwargs.get("gtp_remat_size", 1),
+                        egtp=kwargs.get("expert_gtp_remat_size", 1), order=kwargs.get("order", "tp-cp-ep-dp-pp"))
+    for rank, results in enumerate(gtp_results):
+        r = results[label]
+        for call, kind in GROUP_CALLS.items():
+            assert r["ranks"][call] == list(plan.group_ranks(kind, rank)), (rank, call)
+        assert r["distinct"] == (plan.gtp > 1)
+        assert r["sums"]["get_gtp_weight_remat_group()"] == sum(plan.group_ranks("gtp", rank))
+        assert r["numbers"]["gtp"] == (plan.group_rank("gtp", rank), plan.gtp)
+        assert r["numbers"]["dp"] == (plan.group_rank("gtp-dp", rank), plan.dp * plan.gtp)
+        assert r["numbers"]["dp_replicate"] == (plan.group_rank("dp", rank), plan.dp)
+        assert r["numbers"]["edp"][1] == plan.edp * plan.egtp
+        assert r["global_ranks"] == list(plan.group_ranks("gtp", rank))
+        # megatron-core 0.19 builds no gloo groups under gtp_remat, and says so here.
+        assert (r["gloo"] == "built") == (plan.gtp == 1 and plan.egtp == 1) or plan.gtp == 1
+        if plan.gtp > 1:
+            assert "no gloo groups under generalized tensor parallelism" in r["gloo"]
+            # With gtp_remat the distributed-optimizer instance is the whole world, as in 0.19.
+            assert r["ranks"]["get_intra_distributed_optimizer_instance_group()"] == list(range(8))
+        assert results["left"] == 0
+
+
+# --- rank_offset / local_world_size ------------------------------------------------------------------
+
+def case_rank_offset():
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    out = {}
+    # megatron-core 0.17's spelling: every rank calls; the topology lies over ranks 2 and 3.
+    ps.initialize_model_parallel(context_parallel_size=2, rank_offset=2, local_world_size=2, timeout=SECONDS)
+    out["initialized"] = ps.is_initialized()
+    if me < 2:
+        # The left-out ranks build their own topology beside it, with the same spelling.
+        ps.initialize_model_parallel(context_parallel_size=2, rank_offset=0, local_world_size=2, timeout=SECONDS)
+    out["cp"] = ps.get_context_parallel_global_ranks()
+    out["sizes"] = (ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size())
+    ps.destroy_model_parallel()
+    # The same topology spelled with ranks=, by its members only.
+    subset = [0, 1] if me < 2 else [2, 3]
+    ps.initialize_model_parallel(context_parallel_size=2, ranks=subset, timeout=SECONDS)
+    out["cp_by_ranks"] = ps.get_context_parallel_global_ranks()
+    ps.destroy_model_parallel()
+    try:
+        ps.initialize_model_parallel(rank_offset=3, local_world_size=2, timeout=SECONDS)
+        out["error"] = None
+    except ParallelStateError as exc:
+        out["error"] = str(exc)
+    out["after_error"] = ps.is_initialized()
+    return out
+
+
+def test_rank_offset_lays_a_topology_over_a_slice_of_the_world(pools):
+    results = pools(4).run(case_rank_offset, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["initialized"] == (rank >= 2)
+        assert r["cp"] == r["cp_by_ranks"] == ([0, 1] if rank < 2 else [2, 3])
+        assert r["sizes"] == (2, 1)
+        assert "ranks 3 to 4, beyond the world of 4 ranks; pass a local_world_size of at most 1" in r["error"]
+        assert r["after_error"] is False
+
+
+# --- all-gather groups and process-group collections -------------------------------------------------
+
+def case_all_gather():
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    out = {}
+    try:
+        ps.create_all_gather_groups()
+    except ParallelStateError as exc:
+        out["before_init"] = str(exc)
+    before = set(c10d._world.pg_map)
+    ps.initialize_model_parallel(expert_model_parallel_size=2, context_parallel_size=2, timeout=SECONDS)
+    ag, expert_ag = ps.create_all_gather_groups(for_expert_parallelism=True)
+    out["ranks"] = (dist.get_process_group_ranks(ag), dist.get_process_group_ranks(expert_ag))
+    out["own"] = ag is not ps.get_data_parallel_group(with_context_parallel=True) and \
+        expert_ag is not ps.get_expert_data_parallel_group()
+    t = torch.tensor([1.0])
+    dist.all_reduce(t, group=ag)
+    out["sum"] = t.item()
+    out["again"] = ps.create_all_gather_groups(for_expert_parallelism=True) == (ag, expert_ag)
+    collection = ps.process_group_collection(megatron=False)
+    out["collection"] = collection.dp_cp_ag is ag and collection.expt_dp_ag is expert_ag and \
+        collection.tp is ps.get_tensor_model_parallel_group() and collection.intra_dist_opt is \
+        ps.get_intra_distributed_optimizer_instance_group()
+    out["has_separate"] = ps.has_separate_all_gather_group()
+    try:  # every rank must ask alike: rank 0 leaves the experts out
+        ps.create_all_gather_groups(for_expert_parallelism=dist.get_rank() != 0)
+        out["mismatch"] = None
+    except ParallelStateError as exc:
+        out["mismatch"] = str(exc)
+    ps.destroy_model_parallel()
+    out["left"] = len(set(c10d._world.pg_map) - before)
+    # 0.16 / 0.17's flag builds the dp x cp one at initialize; the 0.18 call then returns it.
+    ps.initialize_model_parallel(context_parallel_size=2, create_all_gather_group=True, timeout=SECONDS)
+    out["flag_then_call"] = ps.create_all_gather_groups()[0] is ps.get_data_parallel_group(
+        with_context_parallel=True, independent_all_gather=True)
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_create_all_gather_groups(pools):
+    results = pools(4).run(case_all_gather, timeout=120)
+    plan = TopologyPlan(4, cp=2, ep=2)
+    for rank, r in enumerate(results):
+        assert "call parallel_state.initialize_model_parallel() first" in r["before_init"]
+        assert r["ranks"] == (list(plan.group_ranks("dp-cp", rank)), list(plan.group_ranks("edp", rank)))
+        assert r["own"] and r["again"] and r["collection"] and r["has_separate"]
+        assert r["sum"] == len(plan.group_ranks("dp-cp", rank))
+        assert "create_all_gather_groups" in r["mismatch"] and "for_expert_parallelism" in r["mismatch"]
+        assert r["left"] == 0 and r["flag_then_call"]
+
+
+def case_megatron_collection():
+    from dataclasses import fields
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2, timeout=SECONDS)
+    ours = ps.process_group_collection()
+    theirs = ProcessGroupCollection.use_mpu_process_groups()  # megatron-core's own, reading the bridge
+    names = [f.name for f in fields(ProcessGroupCollection)]
+    out = {"type": type(ours) is ProcessGroupCollection,
+           "same": {n: getattr(ours, n, "unset") is getattr(theirs, n, "unset") or
+                    getattr(ours, n, None) == getattr(theirs, n, None) for n in names},
+           "plain": {n: getattr(ps.process_group_collection(megatron=False), n) is getattr(ours, n) for n in names
+                     if getattr(ours, n) is not None}}
+    subset = ps.process_group_collection(["tp", "cp"])
+    out["subset"] = (subset.tp is ps.get_tensor_model_parallel_group(), hasattr(subset, "dp"))
+    try:
+        ps.process_group_collection(["tp", "tensor"])
+    except ValueError as exc:
+        out["invalid"] = str(exc)
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_process_group_collection_is_megatrons_own_filled_with_our_groups(pools):
+    results = pools(4).run(case_megatron_collection, timeout=120)
+    for r in results:
+        assert r["type"]
+        assert all(r["same"].values()), r["same"]
+        assert len(r["same"]) >= 20 and all(r["plain"].values()) and len(r["plain"]) >= 15
+        assert r["subset"] == (True, False)
+        assert "Invalid process groups requested: ['tensor']" in r["invalid"]
+
+
+def test_the_plain_collection_has_every_releases_fields():
+    names = {f for f in ps.ProcessGroupCollection.__dataclass_fields__}
+    assert {"dp_cp_gtp_remat", "gtp_remat", "expt_gtp_remat", "tp_ep_pp_with_egtp_remat", "dp_cp_ag",
+            "expt_dp_ag", "intra_dist_opt", "hcp"} <= names and len(names) == 27
+    with pytest.raises(AssertionError, match="call parallel_state.initialize_model_parallel"):
+        ps.process_group_collection(megatron=False)
