@@ -56,9 +56,13 @@ def test_each_rank_creates_only_its_own_groups_at_16384_ranks():
         # model-parallel group, expert dp the dp x cp group); the one distributed-optimizer instance
         # (the whole world); no gloo twins (fakeworld passes create_gloo_process_groups=False). The
         # intra-instance groups are the dp x cp and expert dp groups, shared as megatron-core shares them.
+        # megatron-core 0.19's kinds: the gtp_remat and expert gtp_remat groups (the rank alone at size 1)
+        # and the expert tp x ep x pp group merged across expert gtp_remat peers (its own communicator);
+        # its full data-parallel groups are the dp ones at gtp_remat 1, shared.
         group = {kind: brute_force_group(case, kind) for kind in KINDS}
-        expected = [group[k] for k in KINDS] + [frozenset({case["rank"]}), group["tp"], group["tp"], group["tp-pp"],
-                                                group["dp-cp"], frozenset(range(case["world"]))]
+        alone = frozenset({case["rank"]})
+        expected = [group[k] for k in KINDS] + [alone, group["tp"], group["tp"], group["tp-pp"], group["tp-pp"],
+                                                group["dp-cp"], frozenset(range(case["world"])), alone, alone]
         # megatron-core's embedding picks (first and last stage; first stage) where this rank is one.
         pp = sorted(group["pp"])
         expected += [frozenset(pick) for pick in ({pp[0], pp[-1]}, {pp[0]}) if case["rank"] in pick]
