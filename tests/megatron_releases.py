@@ -97,6 +97,13 @@ def layouts(name: str) -> dict[str, dict[str, Any]]:
     return dict(release(name)["layouts"])
 
 
+def case_specs(name: str, world_size: int | None = None) -> list[dict[str, Any]]:
+    """The release's cases as ``megatron_snapshot.run_cases`` takes them (``name``, ``world_size``, ``kwargs``,
+    ``then``), optionally only those of one world size."""
+    return [{"name": n, "world_size": lay["world_size"], "kwargs": lay["kwargs"], "then": lay["then_calls"]}
+            for n, lay in layouts(name).items() if world_size in (None, lay["world_size"])]
+
+
 def rank_view(layout: dict[str, Any], rank: int) -> dict[str, Any]:
     """One rank's part of a case: each section's names mapped to that rank's value (per-rank sections
     such as ``initialize`` and ``process_group_list`` give the value itself)."""

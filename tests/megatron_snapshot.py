@@ -142,10 +142,12 @@ def snapshot(module: Any, calls: dict[str, dict[str, Any]], pg_collection_class:
     if pg_collection_class is not None:
         import dataclasses
 
+        fields = [f.name for f in dataclasses.fields(pg_collection_class)]
         try:
-            pgc = pg_collection_class.use_mpu_process_groups()
-            out["pg_collection"] = {f.name: describe(getattr(pgc, f.name, None))
-                                    for f in dataclasses.fields(pg_collection_class)}
+            # Every field, named in declaration order: by default megatron-core fills them in the order of a
+            # set of strings, so which getter fails first would change from one process to the next.
+            pgc = pg_collection_class.use_mpu_process_groups(required_pgs=fields)
+            out["pg_collection"] = {f: describe(getattr(pgc, f, None)) for f in fields}
         except Exception as exc:  # e.g. on a rank outside rank_offset's window
             out["pg_collection_error"] = _error(exc)
     return out

@@ -43,7 +43,7 @@ def test_installed_process_group_collection_fields_are_the_016_data():
 def test_installed_layouts_are_the_016_data(pools):
     layouts = mr.layouts("0.16")
     assert {layout["world_size"] for layout in layouts.values()} == {8} and len(layouts) >= 5
-    cases = [{"name": n, "kwargs": lay["kwargs"], "then": lay["then_calls"]} for n, lay in layouts.items()]
+    cases = mr.case_specs("0.16")
     results = pools(8).run(ms.run_cases, cases, timeout=300, cleanup=False)
     for name, layout in layouts.items():
         got = ms.merge([r["cases"][name] for r in results])
