@@ -62,7 +62,10 @@ def _initialize(args: InitArguments) -> None:
         )
     members = _members(args)
     if members == ():
-        return  # rank_offset / local_world_size leave this rank out: megatron-core builds it nothing either
+        # rank_offset / local_world_size leave this rank out: megatron-core builds it no group, and
+        # sets its global memory buffer all the same.
+        _set_memory_buffer()
+        return
     if _st.peek() is not None:
         raise ParallelStateAssertionError(
             "model-parallel groups are already initialized; call "
@@ -232,11 +235,16 @@ def _cache_key(config: dict[str, Any], members: Any) -> str:
 def _set_companions() -> None:
     """What megatron-core's initialize sets up beside the groups: the memory buffer and the group list."""
     from parallel_state.groups import process_groups
+
+    _set_memory_buffer()
+    process_groups.register_process_groups(_st.current("initialize_model_parallel").owned)
+
+
+def _set_memory_buffer() -> None:
     from parallel_state.megatron import memory
 
     memory.destroy_global_memory_buffer()  # one set by hand before initialize is replaced, not an error
     memory.set_global_memory_buffer()
-    process_groups.register_process_groups(_st.current("initialize_model_parallel").owned)
     _st.register_teardown_hook(_free_companions)
 
 

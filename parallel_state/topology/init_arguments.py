@@ -22,7 +22,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
+from parallel_state.errors import (
+    ParallelStateAssertionError,
+    ParallelStateError,
+    ParallelStateTypeError,
+    ParallelStateValueError,
+)
 from parallel_state.topology import arguments as a
 from parallel_state.topology import releases
 from parallel_state.topology.grid import Grid, insert_gtp_remat
@@ -271,9 +276,9 @@ class InitArguments:
         offset, local = self.rank_offset, self.local_world_size
         if not offset and local is None:
             return None
-        local = world_size - offset if local is None else local
-        if offset + local > world_size or local < 1:
-            raise ParallelStateError(
+        local = world_size if local is None else local  # megatron-core 0.17: the whole world's size
+        if offset + local > world_size:
+            raise ParallelStateValueError(
                 f"rank_offset={offset} with local_world_size={self.local_world_size} lays the topology over ranks "
                 f"{offset} to {offset + local - 1}, beyond the world of {world_size} ranks; pass a local_world_size "
                 f"of at most {world_size - offset}"
