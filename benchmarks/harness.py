@@ -43,6 +43,9 @@ def machine() -> str:
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a worker subprocess: this checkout first on the path, quiet warnings."""
     env = dict(os.environ)
+    # Cached bytecode, as every installed package has it (pip compiles at install): without it each
+    # fresh interpreter compiles this checkout from source, and the timings measure the compiler.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("PYTHONWARNINGS", "ignore")
     env.update(extra or {})

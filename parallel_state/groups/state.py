@@ -10,7 +10,7 @@ from parallel_state.errors import ParallelStateAssertionError, ParallelStateErro
 from parallel_state.groups import group_cache
 from parallel_state.groups.kinds import gloo_kinds as gloo_kinds_table
 from parallel_state.groups.kinds import row
-from parallel_state.topology.plan import GridKind, TopologyPlan
+from parallel_state.topology.plan import GridKind, SplitKind, TopologyPlan
 
 
 @dataclass
@@ -47,7 +47,7 @@ class ParallelState:
 
     def group_rank(self, kind: str) -> int:
         """This rank's index in its group of ``kind`` (torch numbers members by global rank)."""
-        if isinstance(self.plan.spec(kind), GridKind):
+        if isinstance(self.plan.spec(kind), (GridKind, SplitKind)):
             return self.plan.group_rank(kind, self.rank)  # arithmetic, no member list
         return sorted(self.ranks(kind)).index(self.rank)
 

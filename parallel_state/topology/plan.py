@@ -328,7 +328,7 @@ class TopologyPlan:
             return self._global(self._grid(spec).group_ranks(spec.dims, self._pos(rank)))
         if isinstance(spec, SplitKind):
             base = self.group_ranks(spec.base, rank)
-            return tuple([base[p] for p in _split_positions(spec, base.index(rank))])
+            return tuple([base[p] for p in _split_positions(spec, self._position_in(spec.base, rank, base))])
         if isinstance(spec, BlockKind):
             base = self.group_ranks(spec.base, rank)
             start = base.index(rank) // spec.size * spec.size
@@ -377,10 +377,21 @@ class TopologyPlan:
         spec = self.spec(kind)
         if isinstance(spec, GridKind):  # positions keep the global ranks' order, so the index is the same
             return self._grid(spec).group_rank(spec.dims, self._pos(rank))
+        if isinstance(spec, SplitKind) and isinstance(self.spec(spec.base), GridKind):
+            # A grid group lists its ranks ascending, and a split keeps every unit-th of them: the
+            # index is the rank's digit at the split's level, with no member list (one can be the world).
+            position = self.group_rank(spec.base, rank)
+            return position // math.prod(spec.radices[:spec.level]) % spec.radices[spec.level]
         members = self.group_ranks(kind, rank)
         if rank not in members:
             raise ParallelStateError(f"rank {rank} is in no {kind} group")
         return sorted(members).index(rank)
+
+    def _position_in(self, kind: str, rank: int, members: tuple[int, ...]) -> int:
+        """Index of ``rank`` in ``members``, its group of ``kind`` as group_ranks lists it."""
+        if isinstance(self.spec(kind), GridKind):
+            return self._grid(self.spec(kind)).group_rank(self.spec(kind).dims, self._pos(rank))
+        return members.index(rank)
 
     def group_size(self, kind: str, rank: int = 0) -> int:
         """Number of ranks in the group of ``kind`` holding ``rank`` (the same for every group of most kinds)."""
