@@ -1,0 +1,347 @@
+"""The kernel of one attention tile: which fused op computes it, and the calls (forward and backward).
+
+A tile is ``R`` query rows of every query head against ``C`` keys of one block. Its result is
+normalized within the tile and comes with its log-sum-exp, so tiles merge by the online softmax;
+its backward takes the whole attention's output and log-sum-exp (the tile's softmax is then its
+share of the whole one). Three kinds of tile (``cp.mask_schedule.Tile.kind``):
+
+- ``"full"``: every pair allowed; no mask is built.
+- ``"causal"``: square (``R == C``), row i sees keys 0..i; the kernel's own causal flag (top-left
+  and bottom-right alignment coincide on a square, so the flash op's top-left flag is exact).
+- ``"masked"``: each row sees one interval of the keys; a [R, C] mask from the intervals.
+
+``choose_kernel`` is a pure function of the device type, dtype, shapes and tile kind, so the choice
+is tested without the device. On CUDA, in this order, where the tile fits (and torch's
+``torch.backends.cuda.*_sdp_enabled()`` allow it):
+
+- ``cuda_flash`` (``aten._scaled_dot_product_flash_attention``): float16 / bfloat16, one feature size
+  for q, k and v, a multiple of 8 up to 256; full and causal tiles; GQA natively.
+- ``cuda_efficient`` (``aten._scaled_dot_product_efficient_attention``): also float32, v's feature size
+  free (both a multiple of 8, 4 for float32); masked tiles by an additive float bias; K/V heads
+  repeated for GQA. Left out under ``torch.use_deterministic_algorithms(True)`` (torch documents its
+  backward as non-deterministic).
+- ``cuda_cudnn`` (``aten._scaled_dot_product_cudnn_attention``): float16 / bfloat16, one feature size, a
+  multiple of 8 up to 128; bias for masked tiles; K/V heads repeated for GQA.
+
+On a CPU, ``cpu_flash`` (``aten._scaled_dot_product_flash_attention_for_cpu``) takes every tile kind
+(masked ones by an additive mask) when q, k and v have one feature size; it computes in float32
+(float64 inputs in float64), as the merge does. Everything else runs ``math``, the reference: plain
+matmuls that hold the tile's scores, e.g. float64 on CUDA, feature sizes of q/k and v that differ
+(flash, cuDNN, CPU), or not a multiple of 8 (4) on CUDA, head dims above 256 with no other kernel.
+Statistics are float32 for float16 / bfloat16 / float32 inputs (float64 for float64): every fused
+op returns a float32 log-sum-exp, and the merge accumulates in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FULL, CAUSAL, MASKED = "full", "causal", "masked"
+TILE_KINDS = (FULL, CAUSAL, MASKED)
+#: The CUDA kernels in the order they are tried; each can be switched off as SDPA's own are.
+CUDA_KERNELS = ("cuda_flash", "cuda_efficient", "cuda_cudnn")
+KERNELS = ("cpu_flash", *CUDA_KERNELS, "math")
+_HALF = (torch.float16, torch.bfloat16)
+
+#: Whether tiles may use fused kernels at all (tests switch it off to check the reference against them).
+use_fused = True
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """How one tile is computed.
+
+    ``name``: one of KERNELS. ``dtype``: the dtype the kernel computes in (its inputs).
+    ``layout``: how the query heads meet the K/V heads: ``"heads"`` q [B, Hq, R, D] against K/V
+    [B, Hkv, C, D] (the kernel takes GQA itself); ``"expand"`` K/V heads repeated to q's (their
+    gradients summed back); ``"rows"`` (math) q [B, Hkv, G * R, D], a K/V head's query heads as rows.
+    ``is_causal``: the kernel's own causal flag (square tiles). ``bias``: an additive float mask [R, C]
+    built from the tile's intervals (-inf where masked). ``reason``: why ``math`` (else empty).
+    """
+
+    name: str
+    dtype: torch.dtype
+    layout: str
+    is_causal: bool = False
+    bias: bool = False
+    reason: str = ""
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where scores, softmax statistics and gradient sums are accumulated."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def cuda_kernels_enabled() -> frozenset[str]:
+    """The CUDA kernels torch's SDPA switches allow now (``torch.backends.cuda.enable_*_sdp``, ``sdpa_kernel``)."""
+    b = torch.backends.cuda
+    on = {"cuda_flash": b.flash_sdp_enabled(), "cuda_efficient": b.mem_efficient_sdp_enabled(),
+          "cuda_cudnn": getattr(b, "cudnn_sdp_enabled", lambda: False)()}
+    return frozenset(k for k, v in on.items() if v)
+
+
+def _cuda_fits(name: str, dtype: torch.dtype, d: int, dv: int, kind: str) -> str:
+    """Why kernel ``name`` cannot take the tile ('' when it can)."""
+    if name == "cuda_flash":
+        if dtype not in _HALF:
+            return "flash takes float16 / bfloat16 only"
+        if d != dv or d % 8 or d > 256:
+            return f"flash wants one feature size for q, k and v, a multiple of 8 up to 256 (got {d} and {dv})"
+        if kind == MASKED:
+            return "flash takes no mask"
+        return ""
+    if name == "cuda_efficient":
+        if dtype not in (*_HALF, torch.float32):
+            return "efficient takes float16 / bfloat16 / float32"
+        align = 4 if dtype == torch.float32 else 8
+        if d % align or dv % align:
+            return f"efficient wants feature sizes that are multiples of {align} (got {d} and {dv})"
+        return ""
+    if dtype not in _HALF:
+        return "cuDNN takes float16 / bfloat16 only"
+    if d != dv or d % 8 or d > 128:
+        return f"cuDNN wants one feature size for q, k and v, a multiple of 8 up to 128 (got {d} and {dv})"
+    return ""
+
+
+@functools.lru_cache(maxsize=1024)
+def choose_kernel(device_type: str, dtype: torch.dtype, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
+                  v_shape: tuple[int, ...], tile_kind: str, *, deterministic: bool = False,
+                  cuda_kernels: frozenset[str] = frozenset(CUDA_KERNELS), fused: bool = True) -> KernelChoice:
+    """The kernel for a tile of queries ``q_shape`` [..., Hq, R, D] against keys ``k_shape`` [..., Hkv, C, D]
+    and values ``v_shape`` [..., Hkv, C, Dv] of ``dtype`` on ``device_type``; ``tile_kind`` one of TILE_KINDS.
+
+    ``deterministic``: torch's deterministic-algorithms setting; ``cuda_kernels``: the CUDA kernels
+    allowed (``cuda_kernels_enabled()``); ``fused=False``: always the reference. Pure and cached.
+    """
+    if tile_kind not in TILE_KINDS:
+        raise ValueError(f"choose_kernel: tile_kind={tile_kind!r} is not one of {TILE_KINDS}")
+    (hq, r, d), (hkv, c, dk), (hv, cv, dv) = q_shape[-3:], k_shape[-3:], v_shape[-3:]
+    if dk != d or (hv, cv) != (hkv, c) or hq % hkv:
+        raise ValueError(f"choose_kernel: q {q_shape}, k {k_shape}, v {v_shape} are not one attention "
+                         f"([..., H, rows, D] against [..., Hkv, keys, D] and [..., Hkv, keys, Dv], Hkv dividing H)")
+    if tile_kind == CAUSAL and r != c:
+        raise ValueError(f"choose_kernel: a causal tile is square; got {r} rows and {c} keys")
+    causal, bias = tile_kind == CAUSAL, tile_kind == MASKED
+    cd = compute_dtype(dtype)
+    if not fused:
+        return KernelChoice("math", cd, "rows", reason="fused kernels switched off (cp.kernels.use_fused)")
+    if device_type == "cpu":
+        if _CPU_FLASH is None or _CPU_FLASH_BACKWARD is None:
+            return KernelChoice("math", cd, "rows", reason="this torch has no fused CPU attention op")
+        if d != dv:
+            return KernelChoice("math", cd, "rows", reason=f"the CPU kernel wants one feature size (got {d} and {dv})")
+        return KernelChoice("cpu_flash", cd, "heads", is_causal=causal, bias=bias)
+    if device_type == "cuda":
+        why = []
+        for name in CUDA_KERNELS:
+            if name not in cuda_kernels:
+                why.append(f"{name} switched off")
+                continue
+            if name == "cuda_efficient" and deterministic:
+                why.append("efficient is non-deterministic (torch.use_deterministic_algorithms)")
+                continue
+            no = _cuda_fits(name, dtype, d, dv, tile_kind)
+            if no:
+                why.append(no)
+                continue
+            layout = "heads" if hq == hkv or name == "cuda_flash" else "expand"
+            return KernelChoice(name, dtype, layout, is_causal=causal, bias=bias)
+        return KernelChoice("math", cd, "rows", reason="; ".join(why))
+    return KernelChoice("math", cd, "rows", reason=f"no fused kernel for device type {device_type!r}")
+
+
+def choose_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_kind: str) -> KernelChoice:
+    """``choose_kernel`` for these tensors (q [..., Hkv, G, R, D], the engine's layout) and torch's settings now."""
+    device = q.device.type
+    shape = (*q.shape[:-4], q.shape[-4] * q.shape[-3], *q.shape[-2:])
+    cuda = cuda_kernels_enabled() if device == "cuda" else frozenset(CUDA_KERNELS)
+    return choose_kernel(device, q.dtype, shape, tuple(k.shape), tuple(v.shape), tile_kind,
+                         deterministic=torch.are_deterministic_algorithms_enabled(), cuda_kernels=cuda,
+                         fused=use_fused)
+
+
+# ----------------------------------------------------------------------------- the ops
+
+_aten = torch.ops.aten
+#: torch's fused ops that also return the log-sum-exp (private ops: looked up, not assumed).
+_CPU_FLASH = getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_OPS = {
+    "cuda_flash": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"),
+    "cuda_efficient": ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward"),
+    "cuda_cudnn": ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"),
+}
+
+
+def _op(choice: KernelChoice, backward: bool, device: torch.device) -> Any:
+    """The aten op of a CUDA choice; a clear error where CUDA (or the op) is missing. Meta tensors are let
+    through (torch's meta kernels check shapes)."""
+    name = _OPS[choice.name][backward]
+    if device.type not in ("cuda", "meta"):
+        raise RuntimeError(f"cp attention: kernel {choice.name} (aten.{name}) runs on CUDA tensors, got tensors on "
+                           f"{device}; choose_kernel(device_type='cuda', ...) is for CUDA inputs")
+    op = getattr(_aten, name, None)
+    if op is None:
+        raise RuntimeError(f"cp attention: this torch ({torch.__version__}) has no aten.{name}; kernel "
+                           f"{choice.name} needs a CUDA build of torch that has it")
+    return op
+
+
+def mask_of(lo: torch.Tensor | None, hi: torch.Tensor | None, rows: int, cols: int, kind: str,
+            device: torch.device) -> torch.Tensor | None:
+    """Bool [rows, cols], True where a row must not see a key, from each row's key interval [lo, hi) (masked
+    tiles) or the causal triangle; None for a full tile."""
+    if kind == FULL:
+        return None
+    if kind == CAUSAL:
+        return torch.ones(rows, cols, dtype=torch.bool, device=device).triu_(1)
+    assert lo is not None and hi is not None
+    c = torch.arange(cols, device=device)
+    return (c < lo[:, None]) | (c >= hi[:, None])
+
+
+def _bias(masked: torch.Tensor, dtype: torch.dtype, align: int) -> torch.Tensor:
+    """The additive float mask: 0 where allowed, -inf where masked; its rows start at multiples of ``align``
+    elements (the efficient CUDA op reads the bias in aligned rows)."""
+    rows, cols = masked.shape
+    padded = -(-cols // align) * align
+    bias = torch.zeros(rows, padded, dtype=dtype, device=masked.device)[:, :cols]
+    return bias.masked_fill_(masked, float("-inf"))
+
+
+def _q4(choice: KernelChoice, q: torch.Tensor) -> torch.Tensor:
+    """q [..., Hkv, G, R, D] in the choice's layout, 4-d."""
+    hkv, g, r, d = q.shape[-4:]
+    if choice.layout == "rows":
+        return q.reshape(-1, hkv, g * r, d)
+    return q.reshape(-1, hkv * g, r, d)
+
+
+def _kv4(choice: KernelChoice, x: torch.Tensor, groups: int) -> torch.Tensor:
+    """k or v [..., Hkv, C, D], 4-d, its heads repeated ``groups`` times for the ``expand`` layout."""
+    x4 = x.reshape(-1, *x.shape[-3:])
+    return x4.repeat_interleave(groups, dim=1) if choice.layout == "expand" and groups > 1 else x4
+
+
+def _unexpand(choice: KernelChoice, g4: torch.Tensor, groups: int) -> torch.Tensor:
+    """dK or dV of repeated heads summed back onto their K/V head."""
+    if choice.layout != "expand" or groups == 1:
+        return g4
+    b, h, c, d = g4.shape
+    return g4.view(b, h // groups, groups, c, d).sum(2)
+
+
+def forward(choice: KernelChoice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            masked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tile: q [..., Hkv, G, R, D], k [..., Hkv, C, D], v [..., Hkv, C, Dv] (any dtype; cast to the choice's);
+    ``masked`` bool [R, C] (None for full tiles; causal tiles need it only on the math path).
+
+    Returns the tile's normalized output [..., Hkv, G, R, Dv] (the kernel's dtype) and its log-sum-exp
+    [..., Hkv, G, R] (float32, float64 for float64).
+    """
+    lead, (hkv, g, r, _), dv = q.shape[:-4], q.shape[-4:], v.shape[-1]
+    q, k, v = (t.to(choice.dtype) for t in (q, k, v))
+    if choice.name == "math":
+        out, lse = _math_forward(q, k, v, scale, masked)
+    else:
+        q4, k4, v4 = _q4(choice, q), _kv4(choice, k, g), _kv4(choice, v, g)
+        bias = None if not choice.bias else _bias(masked, q4.dtype, 16)  # type: ignore[arg-type]
+        if choice.name == "cpu_flash":
+            out, lse = _CPU_FLASH(q4, k4, v4, 0.0, choice.is_causal, attn_mask=bias, scale=scale)
+        elif choice.name == "cuda_flash":
+            out, lse, *_ = _op(choice, False, q.device)(q4, k4, v4, 0.0, choice.is_causal, False, scale=scale)
+        elif choice.name == "cuda_efficient":
+            b4 = None if bias is None else bias.expand(q4.shape[0], q4.shape[1], r, bias.shape[-1])
+            out, lse, *_ = _op(choice, False, q.device)(q4, k4, v4, b4, True, 0.0, choice.is_causal, scale=scale)
+            lse = lse[..., :r]  # its rows are padded to a multiple of 32
+        else:  # cuda_cudnn
+            b4 = None if bias is None else bias.expand(q4.shape[0], q4.shape[1], r, bias.shape[-1])
+            out, lse, *_ = _op(choice, False, q.device)(q4, k4, v4, b4, True, 0.0, choice.is_causal, False,
+                                                        scale=scale)
+            lse = lse.reshape(*lse.shape[:2], r)  # [B, H, R, 1]
+    return out.reshape(*lead, hkv, g, r, dv), lse.reshape(*lead, hkv, g, r).to(compute_dtype(q.dtype))
+
+
+def backward(choice: KernelChoice, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, scale: float,
+             masked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One tile's dq, dk, dv (the kernel's dtype), given the whole attention's output ``out`` and log-sum-exp
+    ``lse`` at the tile's rows (so the tile's softmax is its share of the whole one), and ``delta`` =
+    rowsum(do * out) (used by the math path; the fused kernels compute it themselves). Layouts as ``forward``."""
+    lead, (hkv, g, r, d), c = q.shape[:-4], q.shape[-4:], k.shape[-2]
+    q, k, v, do, out = (t.to(choice.dtype) for t in (q, k, v, do, out))
+    if choice.name == "math":
+        return _math_backward(do, q, k, v, lse, delta, scale, masked)
+    q4, k4, v4, do4, out4 = _q4(choice, q), _kv4(choice, k, g), _kv4(choice, v, g), _q4(choice, do), _q4(choice, out)
+    lse4 = lse.reshape(q4.shape[:-1]).float().contiguous()
+    bias = None if not choice.bias else _bias(masked, q4.dtype, 16)  # type: ignore[arg-type]
+    if choice.name == "cpu_flash":
+        dq, dk, dv = _CPU_FLASH_BACKWARD(do4, q4, k4, v4, out4, lse.reshape(q4.shape[:-1]), 0.0, choice.is_causal,
+                                         attn_mask=bias, scale=scale)
+    elif choice.name == "cuda_flash":
+        op = _op(choice, True, q.device)
+        seed = torch.empty(2, dtype=torch.uint64, device=q.device)  # dropout 0: the philox state is not read
+        offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        dq, dk, dv = op(do4, q4, k4, v4, out4, lse4, None, None, r, c, 0.0, choice.is_causal, seed, offset,
+                        scale=scale)
+    else:
+        b4 = None if bias is None else bias.expand(q4.shape[0], q4.shape[1], r, bias.shape[-1])
+        seed, offset = torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)  # dropout 0
+        if choice.name == "cuda_efficient":
+            padded = lse4.new_zeros(*lse4.shape[:-1], -(-r // 32) * 32)  # the op's own row padding
+            padded[..., :r] = lse4
+            op = _op(choice, True, q.device)
+            dq, dk, dv, _ = op(do4, q4, k4, v4, b4, out4, padded, seed, offset, 0.0, [True, True, True, False],
+                               choice.is_causal, scale=scale)
+        else:  # cuda_cudnn
+            op = _op(choice, True, q.device)
+            dq, dk, dv = op(do4, q4, k4, v4, out4, lse4.unsqueeze(-1), seed, offset, b4, None, None, r, c, 0.0,
+                            choice.is_causal, scale=scale)
+    dk, dv = _unexpand(choice, dk, g), _unexpand(choice, dv, g)
+    return (dq.reshape(*lead, hkv, g, r, d), dk.reshape(*lead, hkv, c, d),
+            dv.reshape(*lead, hkv, c, v.shape[-1]))
+
+
+def _math_scores(q: torch.Tensor, k: torch.Tensor, scale: float, masked: torch.Tensor | None) -> torch.Tensor:
+    """Scores [..., Hkv, G, R, C] of q [..., Hkv, G, R, D] against k [..., Hkv, C, D], masked entries -inf."""
+    hkv, g, r, d = q.shape[-4:]
+    s = torch.matmul(q.reshape(*q.shape[:-4], hkv, g * r, d), k.transpose(-1, -2)).mul_(scale)
+    s = s.view(*q.shape[:-1], k.shape[-2])
+    if masked is not None:
+        s.masked_fill_(masked, float("-inf"))  # [R, C] broadcasts over every head
+    return s
+
+
+def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  masked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    s = _math_scores(q, k, scale, masked)
+    m = s.amax(-1, keepdim=True)  # finite: every row of a tile sees at least one key
+    p = torch.exp_(s.sub_(m))
+    total = p.sum(-1, keepdim=True)
+    hkv, g, r, _ = q.shape[-4:]
+    out = torch.matmul(p.view(*q.shape[:-4], hkv, g * r, -1), v).view(*q.shape[:-1], v.shape[-1]).div_(total)
+    return out, m.add_(total.log_()).squeeze(-1)
+
+
+def _math_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                   delta: torch.Tensor, scale: float, masked: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    lead, (hkv, g, r, d) = q.shape[:-4], q.shape[-4:]
+    p = torch.exp_(_math_scores(q, k, scale, masked).sub_(lse.unsqueeze(-1)))  # the whole attention's softmax
+    rows = (*lead, hkv, g * r)
+    p2, do2 = p.view(*rows, -1), do.reshape(*rows, do.shape[-1])
+    dv = torch.matmul(p2.transpose(-1, -2), do2)
+    ds = p2.mul_(torch.matmul(do2, v.transpose(-1, -2)).sub_(delta.reshape(rows).unsqueeze(-1)))
+    dq = torch.matmul(ds, k).mul_(scale).view(q.shape)
+    dk = torch.matmul(ds.transpose(-1, -2), q.reshape(*rows, d)).mul_(scale)
+    return dq, dk, dv
+
+
+__all__ = ["CUDA_KERNELS", "KERNELS", "KernelChoice", "TILE_KINDS", "backward", "choose_kernel", "compute_dtype",
+           "cuda_kernels_enabled", "forward", "mask_of"]
+

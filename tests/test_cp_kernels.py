@@ -1,0 +1,125 @@
+"""cp.kernels: which kernel computes a tile (decided per device, dtype, shapes and tile kind, without the device),
+the CUDA calls run on meta tensors through torch's own meta kernels, a clear error where CUDA is missing, and on
+a CPU the fused kernel equal to the reference for every tile kind, GQA included, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cp import kernels
+from cp.kernels import CAUSAL, FULL, MASKED, choose_kernel
+
+BF, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+Q, K = (2, 8, 64, 64), (2, 8, 64, 64)  # [B, H, R, D] against [B, Hkv, C, D]
+GQA_K = (2, 2, 64, 64)
+
+
+def test_cuda_choices_by_dtype_kind_and_shape():
+    rows = [
+        # (dtype, q, k, v, kind, kwargs) -> (name, layout, is_causal, bias)
+        ((BF, Q, K, K, FULL, {}), ("cuda_flash", "heads", False, False)),
+        ((F16, Q, K, K, CAUSAL, {}), ("cuda_flash", "heads", True, False)),
+        ((BF, Q, GQA_K, GQA_K, CAUSAL, {}), ("cuda_flash", "heads", True, False)),  # flash takes GQA itself
+        ((BF, Q, K, K, MASKED, {}), ("cuda_efficient", "heads", False, True)),       # flash takes no mask
+        ((BF, Q, GQA_K, GQA_K, MASKED, {}), ("cuda_efficient", "expand", False, True)),
+        ((F32, Q, K, K, CAUSAL, {}), ("cuda_efficient", "heads", True, False)),       # flash: half only
+        ((BF, Q, K, (2, 8, 64, 32), FULL, {}), ("cuda_efficient", "heads", False, False)),  # dv != dk
+        ((BF, Q, K, K, MASKED, {"deterministic": True}), ("cuda_cudnn", "heads", False, True)),
+        ((BF, Q, K, K, FULL, {"cuda_kernels": frozenset({"cuda_cudnn"})}), ("cuda_cudnn", "heads", False, False)),
+        ((BF, Q, GQA_K, GQA_K, MASKED, {"deterministic": True}), ("cuda_cudnn", "expand", False, True)),
+        ((F64, Q, K, K, FULL, {}), ("math", "rows", False, False)),
+        ((F32, Q, K, K, MASKED, {"deterministic": True}), ("math", "rows", False, False)),
+        ((BF, (1, 2, 4, 12), (1, 2, 4, 12), (1, 2, 4, 12), FULL, {}), ("math", "rows", False, False)),  # 12 % 8
+        ((BF, (1, 2, 4, 264), (1, 2, 4, 264), (1, 2, 4, 264), FULL, {"cuda_kernels": frozenset({"cuda_flash"})}),
+         ("math", "rows", False, False)),  # head dim above flash's 256
+        ((BF, Q, K, K, FULL, {"fused": False}), ("math", "rows", False, False)),
+    ]
+    for (dtype, q, k, v, kind, kw), want in rows:
+        c = choose_kernel("cuda", dtype, q, k, v, kind, **kw)
+        assert (c.name, c.layout, c.is_causal, c.bias) == want, (dtype, q, k, v, kind, kw, c)
+        # Half inputs run half kernels; the reference computes in float32 (float64 for float64).
+        assert c.dtype == (dtype if c.name != "math" else (F64 if dtype == F64 else F32)), c
+        assert bool(c.reason) == (c.name == "math"), c
+    # The reasons name what stopped each kernel.
+    assert "efficient takes float16 / bfloat16 / float32" in choose_kernel("cuda", F64, Q, K, K, FULL).reason
+    assert "non-deterministic" in choose_kernel("cuda", F32, Q, K, K, MASKED, deterministic=True).reason
+
+
+def test_cpu_choices_and_bad_requests():
+    assert choose_kernel("cpu", BF, Q, K, K, CAUSAL) == kernels.KernelChoice("cpu_flash", F32, "heads", True, False)
+    assert choose_kernel("cpu", F64, Q, GQA_K, GQA_K, MASKED) == kernels.KernelChoice("cpu_flash", F64, "heads",
+                                                                                      False, True)
+    assert choose_kernel("cpu", F32, Q, K, (2, 8, 64, 32), FULL).name == "math"
+    assert choose_kernel("xpu", F32, Q, K, K, FULL).name == "math"
+    with pytest.raises(ValueError, match="square"):
+        choose_kernel("cpu", F32, (1, 1, 4, 8), (1, 1, 5, 8), (1, 1, 5, 8), CAUSAL)
+    with pytest.raises(ValueError, match="tile_kind"):
+        choose_kernel("cpu", F32, Q, K, K, "diagonal")
+    with pytest.raises(ValueError, match="Hkv dividing H"):
+        choose_kernel("cpu", F32, (1, 3, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8), FULL)
+
+
+def _tile(kind, dtype, device, hkv=2, g=3, r=6, c=6, d=8, dv=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=F64).to(dtype).to(device)
+    q, k, v = rnd(2, hkv, g, r, d), rnd(2, hkv, c, d), rnd(2, hkv, c, dv)
+    lo = torch.tensor([0, 1, 0, 2, 3, 1][:r]) if kind == MASKED else None
+    hi = torch.tensor([2, 4, 6, 5, 6, 2][:r]) if kind == MASKED else None
+    masked = kernels.mask_of(lo, hi, r, c, kind, torch.device(device))
+    return q, k, v, masked
+
+
+def test_cuda_calls_run_on_meta_tensors():
+    """Every CUDA choice, forward and backward, through torch's meta kernels: the arguments fit the ops' schemas and
+    the results come back in the engine's layouts, the statistics in float32."""
+    for kind in (FULL, CAUSAL, MASKED):
+        for hkv, g in ((4, 1), (2, 2)):
+            for name in kernels.CUDA_KERNELS:
+                choice = choose_kernel("cuda", BF, (1, hkv * g, 64, 64), (1, hkv, 64, 64), (1, hkv, 64, 64), kind,
+                                       cuda_kernels=frozenset({name}))
+                if choice.name != name:  # flash takes no mask
+                    assert (name, kind) == ("cuda_flash", MASKED), choice
+                    continue
+                q, k, v = (torch.empty(s, dtype=BF, device="meta") for s in
+                           ((1, hkv, g, 64, 64), (1, hkv, 64, 64), (1, hkv, 64, 64)))
+                masked = None if kind == FULL else torch.empty(64, 64, dtype=torch.bool, device="meta")
+                out, lse = kernels.forward(choice, q, k, v, 0.125, masked)
+                assert out.shape == q.shape and out.dtype == BF and lse.shape == q.shape[:-1] and lse.dtype == F32
+                dq, dk, dv = kernels.backward(choice, q, q, k, v, out, lse, lse, 0.125, masked)
+                assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape), (name, kind, hkv, g)
+
+
+def test_cuda_kernels_fail_cleanly_on_cpu_tensors():
+    q, k, v, masked = _tile(FULL, F32, "cpu")
+    for name in kernels.CUDA_KERNELS:
+        choice = kernels.KernelChoice(name, BF, "heads")
+        with pytest.raises(RuntimeError, match=f"kernel {name} .* runs on CUDA tensors, got tensors on cpu"):
+            kernels.forward(choice, q, k, v, 0.5, masked)
+
+
+def test_cpu_flash_equals_the_reference_for_every_tile_kind():
+    for kind in (FULL, CAUSAL, MASKED):
+        for g in (1, 3):
+            q, k, v, masked = _tile(kind, F64, "cpu", g=g, seed=g)
+            fused = choose_kernel("cpu", F64, (2, 2 * g, 6, 8), (2, 2, 6, 8), (2, 2, 6, 8), kind)
+            ref = kernels.KernelChoice("math", F64, "rows")
+            assert fused.name == "cpu_flash"
+            (o1, l1), (o2, l2) = (kernels.forward(c, q, k, v, 0.3, masked) for c in (fused, ref))
+            assert torch.allclose(o1, o2, atol=1e-12) and torch.allclose(l1, l2, atol=1e-12), kind
+            do = torch.randn(o1.shape, generator=torch.Generator().manual_seed(5), dtype=F64)
+            delta = (do * o2).sum(-1)
+            g1 = kernels.backward(fused, do, q, k, v, o2, l2, delta, 0.3, masked)
+            g2 = kernels.backward(ref, do, q, k, v, o2, l2, delta, 0.3, masked)
+            assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(g1, g2, strict=True)), kind
+            # The reference itself against autograd through SDPA with the dense mask.
+            qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+            allowed = None if masked is None else ~masked
+            want = torch.nn.functional.scaled_dot_product_attention(
+                qq.flatten(1, 2), kk.repeat_interleave(g, 1), vv.repeat_interleave(g, 1), attn_mask=allowed,
+                scale=0.3).view(o2.shape)
+            want.backward(do)
+            assert torch.allclose(o2, want, atol=1e-12)
+            assert all(torch.allclose(a, b.grad, atol=1e-12) for a, b in zip(g2, (qq, kk, vv), strict=True)), kind
