@@ -12,9 +12,10 @@ run of the block's columns, and everything below is interval arithmetic:
   holds, in ascending position; none at all when d's cover holds none of them.
 - A received block is computed as tiles of query rows x a column range: a run of at least
   ``full_rows`` consecutive queries (in position order) with the same column interval is a fully
-  allowed tile, computed without a mask; shorter runs are grouped, up to ``tile_rows`` rows, into a
-  tile over the union of their columns, with a mask built from the intervals. Queries that see none
-  of the block's keys are in no tile.
+  allowed tile, computed without a mask; a run as long along a causal diagonal (one more column
+  per row) is a square causal tile (the kernel's causal flag, no mask); shorter runs are grouped,
+  up to ``tile_rows`` rows, into a tile over the union of their columns, with a mask built from
+  the intervals. Queries that see none of the block's keys are in no tile.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ Rows = Any  # a slice of local query rows, or a LongTensor of them
 @dataclass(frozen=True)
 class Tile:
     """Queries ``rows`` (local indices) x the block's columns [c0, c1); lo/hi: each row's interval relative
-    to c0 (None when every pair of the tile is allowed)."""
+    to c0 (None when every pair of the tile is allowed, or for a causal tile). ``causal``: a square tile
+    whose row i sees columns c0 .. c0 + i (the kernels' own causal flag; no mask is built)."""
 
     rows: Rows
     c0: int
@@ -46,21 +48,27 @@ class Tile:
     lo: torch.Tensor | None
     hi: torch.Tensor | None
     allowed: int  # allowed (query, key) pairs in the tile
+    causal: bool = False
 
     @property
     def num_rows(self) -> int:
         r = self.rows
         return r.stop - r.start if isinstance(r, slice) else r.numel()
 
+    @property
+    def kind(self) -> str:
+        """``"full"``, ``"causal"`` or ``"masked"`` (cp.kernels' tile kinds)."""
+        return "causal" if self.causal else "full" if self.lo is None else "masked"
+
     def masked_out(self, device: torch.device) -> torch.Tensor | None:
         """Bool [rows, c1 - c0], True where the query must not see the key; None for a fully allowed tile."""
-        if self.lo is None or self.hi is None:
-            return None
-        cols = torch.arange(self.c1 - self.c0, device=device)
-        return (cols < self.lo[:, None]) | (cols >= self.hi[:, None])
+        from cp.kernels import mask_of
+
+        return mask_of(self.lo, self.hi, self.num_rows, self.c1 - self.c0, self.kind, device)
 
     def to(self, device: torch.device) -> Tile:
-        return Tile(_to(self.rows, device), self.c0, self.c1, _to(self.lo, device), _to(self.hi, device), self.allowed)
+        return Tile(_to(self.rows, device), self.c0, self.c1, _to(self.lo, device), _to(self.hi, device), self.allowed,
+                    self.causal)
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,13 @@ class Schedule:
     sizes: tuple[int, ...]              # every rank's token count
     blocks: tuple[Block | None, ...]
     sends: tuple[Send | None, ...]      # sends[0] is None (a rank's own block is no transfer)
+    needed: tuple[tuple[bool, ...], ...] = ()  # needed[d][s]: some query of rank d sees a key of rank s
+
+    def ring_forwards(self, rank: int, t: int) -> bool:
+        """Whether, passing whole blocks round the ring, group rank ``rank`` sends the block it holds at step t
+        (group rank rank - t's) on to rank + 1: while a rank further down the ring still needs it."""
+        n, s = self.n, (rank - t) % self.n
+        return any(self.needed[(s + j) % n][s] for j in range(t + 1, n))
 
     @property
     def allowed(self) -> int:
@@ -111,7 +126,8 @@ class Schedule:
         """The same schedule with its index tensors on ``device`` (where the attention's tensors are)."""
         return Schedule(self.rank, self.n, self.local, self.sizes,
                         tuple(None if b is None else b.to(device) for b in self.blocks),
-                        tuple(None if s is None else Send(s.dest, s.size, _to(s.index, device)) for s in self.sends))
+                        tuple(None if s is None else Send(s.dest, s.size, _to(s.index, device)) for s in self.sends),
+                        self.needed)
 
 
 def _to(x: Any, device: torch.device) -> Any:
@@ -127,13 +143,26 @@ def _as_rows(index: torch.Tensor) -> Rows:
     return index
 
 
+def _run_ends(continues: torch.Tensor, n: int) -> list[int]:
+    """For each of n rows, where the run it starts ends (exclusive); ``continues[i]``: row i + 1 continues row i."""
+    breaks = torch.cat([torch.nonzero(~continues).flatten() + 1, torch.tensor([n])])
+    return breaks[torch.searchsorted(breaks, torch.arange(n), right=True)].tolist()
+
+
 def _tiles(rows: torch.Tensor, clo: torch.Tensor, chi: torch.Tensor, full_rows: int, tile_rows: int) -> tuple[Tile, ...]:
-    """Tiles over queries ``rows`` (in position order, each seeing at least one column) with column intervals."""
-    if rows.numel() == 0:
+    """Tiles over queries ``rows`` (in position order, each seeing at least one column) with column intervals.
+
+    A run of at least ``full_rows`` queries with one interval is a full tile; a run as long whose
+    intervals start together and end one column later per row (a causal diagonal) is a causal tile,
+    after a full tile of the columns its first row sees before its own; the rest is grouped into
+    masked tiles of about ``tile_rows`` rows.
+    """
+    n = rows.numel()
+    if n == 0:
         return ()
-    change = (clo[1:] != clo[:-1]) | (chi[1:] != chi[:-1])
-    starts = [0] + (torch.nonzero(change).flatten() + 1).tolist()
-    ends = starts[1:] + [rows.numel()]
+    same_lo = clo[1:] == clo[:-1]
+    same_end = _run_ends(same_lo & (chi[1:] == chi[:-1]), n)
+    diag_end = _run_ends(same_lo & (chi[1:] == chi[:-1] + 1), n)
 
     def make(a: int, b: int) -> Tile:
         lo, hi = clo[a:b], chi[a:b]
@@ -142,22 +171,31 @@ def _tiles(rows: torch.Tensor, clo: torch.Tensor, chi: torch.Tensor, full_rows: 
         full = allowed == (b - a) * (c1 - c0)
         return Tile(_as_rows(rows[a:b]), c0, c1, None if full else lo - c0, None if full else hi - c0, allowed)
 
+    def diagonal(a: int, b: int) -> list[Tile]:
+        r, c0, first = b - a, int(clo[a]), int(chi[a]) - 1  # the first row sees c0 .. first
+        out = [] if first == c0 else [Tile(_as_rows(rows[a:b]), c0, first, None, None, r * (first - c0))]
+        return out + [Tile(_as_rows(rows[a:b]), first, first + r, None, None, r * (r + 1) // 2, causal=True)]
+
     tiles: list[Tile] = []
-    pending: int | None = None  # first entry of the masked tile being gathered
-    for a, b in zip(starts, ends, strict=True):
-        if b - a >= full_rows:
+    pending: int | None = None  # first row of the masked tile being gathered
+    i = 0
+    while i < n:
+        run, diag = same_end[i] - i, diag_end[i] - i
+        if max(run, diag) >= full_rows:
             if pending is not None:
-                tiles.append(make(pending, a))
+                tiles.append(make(pending, i))
                 pending = None
-            tiles.append(make(a, b))
+            tiles.extend([make(i, i + run)] if run >= diag else diagonal(i, i + diag))
+            i += max(run, diag)
             continue
         if pending is None:
-            pending = a
-        if b - pending >= tile_rows:
-            tiles.append(make(pending, b))
+            pending = i
+        i += run
+        if i - pending >= tile_rows:
+            tiles.append(make(pending, i))
             pending = None
     if pending is not None:
-        tiles.append(make(pending, rows.numel()))
+        tiles.append(make(pending, n))
     return tuple(tiles)
 
 
@@ -184,7 +222,9 @@ def build(mask: Any, length: int, positions: Sequence[Sequence[int]], rank: int)
         diff.index_add_(0, lo[d], ones).index_add_(0, hi[d], -ones)
         return diff.cumsum(0)[:length] > 0
 
-    mine = cover(rank)
+    covers = [cover(d) for d in range(n)]
+    mine = covers[rank]
+    needed = tuple(tuple(bool(covers[d][pos[s]].any()) for s in range(n)) for d in range(n))
     row_lo, row_hi = lo[rank][order[rank]], hi[rank][order[rank]]
     blocks: list[Block | None] = []
     sends: list[Send | None] = [None]
@@ -202,11 +242,11 @@ def build(mask: Any, length: int, positions: Sequence[Sequence[int]], rank: int)
             blocks.append(Block(s, keys.numel(), index, tiles))
         if t:
             d = (rank + t) % n
-            sel = cover(d)[spos[rank]]
+            sel = covers[d][spos[rank]]
             count = int(sel.sum())
             sends.append(None if count == 0 else
                          Send(d, count, None if count == pos[rank].numel() and in_order[rank] else order[rank][sel]))
-    return Schedule(rank, n, pos[rank].numel(), tuple(p.numel() for p in pos), tuple(blocks), tuple(sends))
+    return Schedule(rank, n, pos[rank].numel(), tuple(p.numel() for p in pos), tuple(blocks), tuple(sends), needed)
 
 
 _cache: OrderedDict[Any, Schedule] = OrderedDict()

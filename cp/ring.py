@@ -1,10 +1,11 @@
-"""Context-parallel attention by passing K/V around a ring ("ring attention").
+"""Context-parallel attention by passing K/V around a ring ("ring attention"), and its masked form.
 
 Each rank keeps its own queries. Its K/V block travels the group's ring (group rank i sends to i + 1)
 by point-to-point ``dist.batch_isend_irecv``; at step t a rank attends to the block of group rank
 ``rank - t``, and the transfer of the next block is started before this block's compute, so the two
-overlap. Block results merge by their log-sum-exp (the online softmax), accumulated in float32
-(float64 inputs stay float64); the output has the input dtype.
+overlap. This is ``cp.engine`` with the transport "ring" on the contiguous layout of the blocks, under
+``Mask.full()`` or ``Mask.causal()``: block results merge by their log-sum-exp (the online softmax),
+accumulated in float32 (float64 inputs stay float64); the output has the input dtype.
 
 The backward recomputes every block's scores from q, the block's K/V and the saved log-sum-exp.
 K/V travel the ring once more, and each block's dK/dV accumulator travels behind it, picking up
@@ -12,9 +13,9 @@ every rank's contribution until it is back at the block's owner. No rank ever ho
 block of another rank's K/V (two while a transfer is in flight), and nothing of the whole sequence.
 
 Causal attention on the plain contiguous split (group rank i holds the i-th block of the sequence):
-a block wholly in a rank's future is neither sent to it nor computed; the rank's own block uses the
-causal mask. Rank i so computes i + 1 blocks. (The backward's dK/dV accumulators still go all the way
-round, so that every rank takes part in every step's exchange.)
+a block wholly in a rank's future is neither sent to it nor computed; the rank's own block is one
+causal tile (the kernel's causal flag). Rank i so computes i + 1 blocks. (The backward's dK/dV
+accumulators still go all the way round, so that every rank takes part in every step's exchange.)
 
 Uneven shards: rank i may hold ``blocks[i]`` tokens, any positive sizes; ``ring_attention(length=L)``
 uses ``cp.shard_sizes(L, n)`` (torch.tensor_split's rule), usp passes the sizes of its ring blocks.
@@ -23,168 +24,37 @@ K/V may have fewer heads than q (GQA/MQA, query head h uses K/V head h // (Hq / 
 ``enable_gqa``): the K/V heads travel as they are, and each K/V head attends for its group of query
 heads at once, so nothing is repeated, neither on the wire nor in memory.
 
-A block is computed by torch's fused CPU attention kernel where it applies (CPU tensors, one feature
-size for q, k and v; it returns the log-sum-exp the merge needs), else by plain matmuls that hold
-the block's scores.
+A block is computed by a fused kernel that returns its log-sum-exp wherever torch has one
+(``cp.kernels``: CUDA's flash / efficient / cuDNN ops, the CPU's flash op), else by plain matmuls.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 
-from cp import debug
-from cp.blocks import _block_backward, _block_forward, _compute_dtype, _p2p, _wait
+from cp import debug, engine, mask_schedule
 from cp.comm import check_group, global_ranks
 from cp.layout import _check_dims, _check_length, _scale, sdpa_in_layout
 from cp.shard import check_tensor, shard_sizes
 
-#: Tags of the two kinds of message, so that gloo never pairs one kind's send with another's receive.
-_TAG_KV, _TAG_DKV = 11, 12
-#: Whether CPU blocks use torch's fused kernel (tests switch it off to check the plain one against it).
-use_fused_cpu = True
 
+def _contiguous_schedule(causal: bool, blocks: tuple[int, ...], rank: int, device: torch.device
+                         ) -> mask_schedule.Schedule:
+    """This rank's schedule of full or causal attention on the contiguous layout of ``blocks`` (cached)."""
+    import parallel_state as ps
 
-class _Ring:
-    """Who holds, computes and sends which block at which step, for one rank of an n-rank ring."""
+    mask = ps.AttentionMask.causal() if causal else ps.AttentionMask.full()
 
-    def __init__(self, group: Any, blocks: tuple[int, ...], causal: bool):
-        self.group, self.blocks, self.causal = group, blocks, causal
-        self.n, self.rank = group.size(), group.rank()
-        ranks = global_ranks(group)
-        self.next, self.prev = ranks[(self.rank + 1) % self.n], ranks[(self.rank - 1) % self.n]
+    def make() -> mask_schedule.Schedule:
+        if device.type != "cpu":
+            return _contiguous_schedule(causal, blocks, rank, torch.device("cpu")).to(device)
+        starts = [sum(blocks[:i]) for i in range(len(blocks))]
+        positions = [torch.arange(a, a + b) for a, b in zip(starts, blocks, strict=True)]
+        return mask_schedule.build(mask, sum(blocks), positions, rank)
 
-    def source(self, t: int) -> int:
-        """The group rank whose K/V block this rank holds at step t."""
-        return (self.rank - t) % self.n
-
-    def computes(self, t: int) -> bool:
-        """Whether this rank attends to the block it holds at step t (causal: only its past and itself)."""
-        return not self.causal or t <= self.rank
-
-    def sends(self, rank: int, t: int) -> bool:
-        """Whether group rank ``rank`` passes the K/V block it holds at step t on to rank + 1."""
-        if t >= self.n - 1:
-            return False
-        # Causal: rank + 1 needs the block (rank - t) only while it lies in its past, not wrapped around.
-        return not self.causal or (rank < self.n - 1 and t <= rank)
-
-
-def _kv_transfer(ring: _Ring, t: int, packed: torch.Tensor, sizes: Sequence[int]) -> tuple[list[Any], Any]:
-    """Start step t's K/V transfer: send ``packed`` on, receive the block of step t + 1 (if any)."""
-    ops, recv = [], None
-    if ring.sends(ring.rank, t):
-        ops.append(dist.P2POp(dist.isend, packed, ring.next, ring.group, _TAG_KV))
-    if ring.sends((ring.rank - 1) % ring.n, t):
-        recv = packed.new_empty(sizes[ring.source(t + 1)])
-        ops.append(dist.P2POp(dist.irecv, recv, ring.prev, ring.group, _TAG_KV))
-    return _p2p(ops), recv
-
-
-def _unpack(packed: torch.Tensor, k_shape: Sequence[int], v_shape: Sequence[int], length: int,
-            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The K and V of a packed block of ``length`` tokens, in the compute dtype."""
-    k_shape = (*k_shape[:-2], length, k_shape[-1])
-    v_shape = (*v_shape[:-2], length, v_shape[-1])
-    nk = math.prod(k_shape)
-    return packed[:nk].view(k_shape).to(dtype), packed[nk:].view(v_shape).to(dtype)
-
-
-def _packed_sizes(blocks: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> list[int]:
-    per_k, per_v = k.numel() // k.shape[-2], v.numel() // v.shape[-2]
-    return [b * (per_k + per_v) for b in blocks]
-
-
-def _diag_mask(q_len: int, groups: int, device: torch.device) -> torch.Tensor:
-    """True where a query of the rank's own block must not see a key (it lies in the query's future).
-
-    Rows are the query rows of one K/V head: ``groups`` query heads of ``q_len`` tokens each.
-    """
-    mask = torch.ones(q_len, q_len, dtype=torch.bool, device=device).triu_(1)
-    return mask.repeat(groups, 1)
-
-
-class _RingAttention(torch.autograd.Function):
-    """Ring attention on [..., Hkv, G * S, D] queries and [..., Hkv, S, D] keys and values."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring, groups: int,
-                scale: float) -> torch.Tensor:
-        cd = _compute_dtype(q.dtype)
-        sizes = _packed_sizes(ring.blocks, k, v)
-        qc = q.to(cd)
-        packed = torch.cat([k.reshape(-1), v.reshape(-1)])
-        mask = _diag_mask(k.shape[-2], groups, q.device) if ring.causal else None
-        acc = lse = None
-        for t in range(ring.n):
-            works, recv = _kv_transfer(ring, t, packed, sizes)  # overlaps this step's compute
-            if ring.computes(t):
-                kb, vb = _unpack(packed, k.shape, v.shape, ring.blocks[ring.source(t)], cd)
-                bo, bl = _block_forward(qc, kb, vb, scale, mask if t == 0 else None, groups, use_fused_cpu)
-                if acc is None:
-                    acc, lse = bo, bl
-                else:  # the online softmax: weigh both by their share of the merged log-sum-exp
-                    new = torch.logaddexp(lse, bl)
-                    acc = acc.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(bo.mul_(torch.exp(bl - new).unsqueeze(-1)))
-                    lse = new
-            _wait(works)
-            if recv is not None:
-                packed = recv
-        out = acc
-        ctx.ring, ctx.groups, ctx.scale = ring, groups, scale
-        result = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse)
-        return result
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        ring, groups, scale = ctx.ring, ctx.groups, ctx.scale
-        q, k, v, out, lse = ctx.saved_tensors
-        cd = _compute_dtype(q.dtype)
-        sizes = _packed_sizes(ring.blocks, k, v)
-        qc, do = q.to(cd), grad.to(cd)
-        outc = out.to(cd)
-        delta = (do * outc).sum(-1)
-        dq = torch.zeros_like(qc)
-        packed = torch.cat([k.reshape(-1), v.reshape(-1)])
-        mask = _diag_mask(k.shape[-2], groups, q.device) if ring.causal else None
-        # The dK/dV accumulators go all the way round (every rank passes one on at every step, also past
-        # ranks that add nothing in causal attention): the same exchange everywhere, so no rank waits
-        # for a message that a rank ahead of it in the ring is still holding back.
-        incoming: torch.Tensor | None = None  # the accumulator of the block held now, from the previous rank
-        sending: torch.Tensor | None = None
-        dkv_works: list[Any] = []
-        for t in range(ring.n):
-            works, recv = _kv_transfer(ring, t, packed, sizes)  # overlaps this step's compute
-            dkv = None
-            if ring.computes(t):
-                kb, vb = _unpack(packed, k.shape, v.shape, ring.blocks[ring.source(t)], cd)
-                bq, bk, bv = _block_backward(do, qc, kb, vb, outc, lse, delta, scale, mask if t == 0 else None,
-                                             groups, use_fused_cpu)
-                dq.add_(bq)
-                dkv = torch.cat([bk.reshape(-1), bv.reshape(-1)])
-            _wait(dkv_works)  # sent by the previous rank after its step t - 1
-            if incoming is not None:
-                dkv = incoming if dkv is None else dkv.add_(incoming)
-            assert dkv is not None  # step 0 always computes the rank's own block
-            # Pass it on (after the last step that is to the block's owner); receive the next block's, or
-            # after the last step this rank's own, complete.
-            sending, incoming = dkv, dkv.new_empty(sizes[ring.source(t + 1)])
-            dkv_works = _p2p([dist.P2POp(dist.isend, sending, ring.next, ring.group, _TAG_DKV),
-                              dist.P2POp(dist.irecv, incoming, ring.prev, ring.group, _TAG_DKV)])
-            _wait(works)
-            if recv is not None:
-                packed = recv
-        _wait(dkv_works)
-        del sending
-        assert incoming is not None
-        nk = k.numel()
-        dk_out = incoming[:nk].view(k.shape).to(k.dtype)
-        dv_out = incoming[nk:].view(v.shape).to(v.dtype)
-        return dq.to(q.dtype), dk_out, dv_out, None, None, None
+    return mask_schedule.cached((mask, blocks), ("contiguous", rank, str(device)), make)
 
 
 def _check_qkv(what: str, q: Any, k: Any, v: Any, seq_dim: Any, head_dim: Any, n: int) -> tuple[int, int, int]:
@@ -267,14 +137,8 @@ def ring_attention_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_
     _check_blocks(what, q, s, blocks, rank, cp_group, how)
     if n == 1:
         return _plain(q, k, v, s, h, groups, causal, scale)
-    ring = _Ring(cp_group, blocks, causal)
-    # [..., H, S, D] with the K/V head's G query heads side by side: [..., Hkv, G * S, D].
-    qc, kc, vc = (t.movedim((h, s), (-3, -2)) for t in (q, k, v))
-    hkv, length = kc.shape[-3], qc.shape[-2]
-    qg = qc.reshape(*qc.shape[:-3], hkv, groups * length, qc.shape[-1])
-    out = _RingAttention.apply(qg, kc.contiguous(), vc.contiguous(), ring, groups, scale)
-    out = out.reshape(*qc.shape[:-3], hkv * groups, length, vc.shape[-1])
-    return out.movedim((-3, -2), (h, s))
+    sched = _contiguous_schedule(causal, blocks, rank, q.device)
+    return engine.attend(engine.AttentionCall(s, h, groups, scale, cp_group, sched, "ring"), q, k, v)
 
 
 def _feature(q: torch.Tensor, s: int, h: int) -> int:
@@ -355,7 +219,7 @@ def _masked_ring(what: str, q: Any, k: Any, v: Any, group: Any, n: int, causal: 
     elif q.shape[s] != plan.length:
         raise ValueError(f"{what}: q holds {q.shape[s]} tokens (seq_dim {seq_dim}) but the {layout} is for "
                          f"{plan.length}; without a group, pass the whole sequence")
-    return masked.attend(q, k, v, sched, group if n > 1 else None, s, h, scale)
+    return masked.attend(q, k, v, sched, group if n > 1 else None, s, h, scale, masked.transport_of(plan))
 
 
 __all__ = ["ring_attention", "ring_attention_blocks"]

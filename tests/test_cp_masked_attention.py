@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 
 import cp
+import cp.engine
+import cp.kernels
 import cp.mask_schedule
 import cp.masked
 from cpgroups import raises as _raises
@@ -105,6 +107,33 @@ def _check_traffic(count, mask, plan, me, ranks, k, v, s):
         assert grad == need, (peer, grad, need)  # float64: the gradients travel in the input's dtype
 
 
+def _with_transport(plan, transport):
+    """The plan asking for ``transport`` (``DispatchPlan.transport``; set on a copy where the field is not there)."""
+    import copy
+    import dataclasses
+
+    if any(f.name == "transport" for f in dataclasses.fields(plan)):
+        return dataclasses.replace(plan, transport=transport)
+    plan = copy.copy(plan)
+    object.__setattr__(plan, "transport", transport)
+    return plan
+
+
+def _check_transport(count, transport, mask, plan, me, ranks, k, v, s):
+    """The bytes each transport sends: p2p exactly the needed tokens, the ring only to the next rank, the all-gather
+    every rank's whole shard to every other rank (forward and backward) and the gradients back to every owner."""
+    n = plan.cp_size
+    if transport == "p2p":
+        _check_traffic(count, mask, plan, me, ranks, k, v, s)
+    elif transport == "ring":
+        assert set(count.kv_sent) <= {ranks[(me + 1) % n]} and set(count.grad_sent) == {ranks[(me + 1) % n]}, count
+    else:
+        per_token = (k.numel() // k.shape[s] + v.numel() // v.shape[s]) * k.element_size()
+        want = {ranks[p]: 2 * max(plan.sizes) * per_token for p in range(n) if p != me}
+        assert count.kv_sent == count.kv_received == want, (count, want)
+        assert set(count.grad_sent) == set(count.grad_received) == set(want), count
+
+
 def _small_tiles():
     """Tiles of a few rows, so that these short sequences exercise every tile kind (full, masked, sliced, indexed)."""
     cp.mask_schedule.FULL_ROWS, cp.mask_schedule.TILE_ROWS = 2, 3
@@ -112,7 +141,7 @@ def _small_tiles():
 
 def _default_tiles():
     cp.mask_schedule.FULL_ROWS, cp.mask_schedule.TILE_ROWS = 16, 128
-    cp.masked.use_fused_cpu = True
+    cp.kernels.use_fused = True
 
 
 # ---------------------------------------------------------------- the ring at cp 2, 3 and 4, Ulysses at cp 4
@@ -137,7 +166,7 @@ def case_ring_and_ulysses():
     import torch.distributed as dist
 
     groups, made = _ring_groups()
-    checks, worst = [], 0.0
+    checks, worst, transports = [], 0.0, set()
     _small_tiles()
     try:
         for g in groups:
@@ -145,12 +174,16 @@ def case_ring_and_ulysses():
             ranks = dist.get_process_group_ranks(g)
             for c, (mask, length, method, heads) in enumerate(_cases(n)):
                 _, _, s, h = heads
-                cp.masked.use_fused_cpu = c % 2 == 0  # the fused CPU kernel and the plain matmuls take turns
-                plan = cp.plan_dispatch(mask, length, n, method=method)
+                cp.kernels.use_fused = c % 2 == 0  # the fused CPU kernel and the plain matmuls take turns
+                # Every transport takes its turn (the layout by mask alone uses the plan's default).
+                transport = cp.engine.TRANSPORTS[c % 3]
+                plan = _with_transport(cp.plan_dispatch(mask, length, n, method=method), transport)
                 q, k, v, w = _qkvw(length, heads, s, h, 10 * c)
                 # The contiguous layout also by mask alone (with length=), as the plan the ring makes for it.
                 by_mask = method == "contiguous" and c % 4 == 1
                 kwargs = {"mask": mask, "length": length} if by_mask else {"plan": plan}
+                transport = cp.masked.transport_of(cp.plan_dispatch(mask, length, n, method=method)) if by_mask \
+                    else transport
 
                 def ring(a, b, x, g=g, s=s, h=h, kwargs=kwargs):
                     return cp.ring_attention(a, b, x, g, seq_dim=s, head_dim=h, **kwargs)
@@ -158,7 +191,8 @@ def case_ring_and_ulysses():
                 per = q.numel() // (length * q.shape[-1])  # batch x query heads
                 assert count.pairs == count.backward_pairs == per * plan.work[me], (count, plan.work)
                 assert count.calls == 1
-                _check_traffic(count, mask, plan, me, ranks, k, v, s)
+                _check_transport(count, transport, mask, plan, me, ranks, k, v, s)
+                transports.add(transport)
                 worst = max(worst, err)
                 checks.append(f"ring {n} {mask} {method} L={length}")
                 if n == 4 and c % 2 == 0:  # Ulysses (at cp 2 it runs inside usp 2 x 2)
@@ -170,6 +204,7 @@ def case_ring_and_ulysses():
                     assert not count.kv_sent  # the all-to-all moves K/V, no point-to-point transfer
                     worst = max(worst, err)
                     checks.append(f"ulysses {n} {mask} {method} L={length}")
+        assert transports == set(cp.engine.TRANSPORTS), transports
     finally:  # the pool's ranks outlive this case
         _default_tiles()
         for g in made:
@@ -194,8 +229,8 @@ def case_usp():
     try:
         for c, (mask, length, method, heads) in enumerate(_cases(4)):
             _, _, s, h = heads
-            cp.masked.use_fused_cpu = c % 2 == 1
-            plan = cp.plan_dispatch(mask, length, 4, method=method)
+            cp.kernels.use_fused = c % 2 == 1
+            plan = _with_transport(cp.plan_dispatch(mask, length, 4, method=method), cp.engine.TRANSPORTS[c % 3])
             q, k, v, w = _qkvw(length, heads, s, h, 10 * c)
             kwargs = {"mask": mask, "length": length} if method == "contiguous" and c % 4 == 1 else {"plan": plan}
 
@@ -366,10 +401,13 @@ def test_one_process_masked_attention_is_the_dense_mask():
 
 def test_schedule_tiles_cover_every_allowed_pair_once():
     """The tiles of a schedule hold every allowed pair of the rank's queries exactly once and nothing disallowed,
-    and a fully allowed tile is one where every pair is allowed: checked against the dense mask."""
+    and a fully allowed (causal) tile is one where every pair (of its lower triangle) is allowed: checked against
+    the dense mask."""
+    kinds = set()
     from cp import mask_schedule
 
-    for mask in _masks(29):
+    for mask, tiles in zip(_masks(29) * 2, [(16, 128)] * 6 + [(2, 3)] * 6, strict=True):
+        mask_schedule.FULL_ROWS, mask_schedule.TILE_ROWS = tiles  # default tiles, and small ones of every kind
         for method in ("balanced", "contiguous"):
             plan = cp.plan_dispatch(mask, 29, 3, method=method)
             dense = mask.dense(29)
@@ -386,10 +424,13 @@ def test_schedule_tiles_cover_every_allowed_pair_once():
                     for tile in block.tiles:
                         rows = qpos[tile.rows]
                         cols = keys[tile.c0:tile.c1]
-                        allowed = ~tile.masked_out(torch.device("cpu")) if tile.lo is not None else \
-                            torch.ones(len(rows), len(cols), dtype=torch.bool)
+                        masked = tile.masked_out(torch.device("cpu"))
+                        allowed = torch.ones(len(rows), len(cols), dtype=torch.bool) if masked is None else ~masked
+                        kinds.add(tile.kind)
                         assert torch.equal(allowed, dense[rows][:, cols]), (mask, method, rank)
                         assert int(allowed.sum()) == tile.allowed
                         seen[rows[:, None], cols[None, :]] += allowed.long()
                 assert torch.equal(seen[qpos], dense[qpos].long()), (mask, method, rank)
                 assert sched.allowed == plan.work[rank]
+    _default_tiles()
+    assert kinds == {"full", "causal", "masked"}, kinds

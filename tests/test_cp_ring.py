@@ -9,7 +9,7 @@ import os
 import torch
 
 import cp
-import cp.ring
+import cp.kernels
 from cpgroups import raises as _raises
 from cpgroups import spying
 
@@ -115,7 +115,7 @@ def case_ring_matches_one_process():
     try:
         checks, worst = _ring_checks(groups)
     finally:  # the pool's ranks outlive this case: leave torch's group registry as it was
-        cp.ring.use_fused_cpu = True
+        cp.kernels.use_fused = True
         for g in groups:
             if g is not dist.group.WORLD:
                 dist.destroy_process_group(g)
@@ -132,7 +132,7 @@ def _ring_checks(groups):
         if n < dist.get_world_size():
             cases = cases[n % 2::2]  # the smaller rings: every other case (alternating causal), for time
         # On CPU the blocks use torch's fused kernel; the smaller rings check the plain one (GPUs use it).
-        cp.ring.use_fused_cpu = n == dist.get_world_size()
+        cp.kernels.use_fused = n == dist.get_world_size()
         for name, q, k, v, s, h, causal, length, scale in cases:
             def run(qs, ks, vs, g=g, causal=causal, length=length, s=s, h=h, scale=scale):
                 return cp.ring_attention(qs, ks, vs, g, causal=causal, length=length, seq_dim=s, head_dim=h,
@@ -151,7 +151,7 @@ def _ring_checks(groups):
         v = _data((2, 2 * n, 2, 6), 10)
         _compare("dv != dk", lambda a, b, c, g=g: cp.ring_attention(a, b, c, g), q, k, v, 1, 2, False, None, n, i, 1e-10)
         checks += 1
-    cp.ring.use_fused_cpu = True
+    cp.kernels.use_fused = True
     return checks, worst
 
 
