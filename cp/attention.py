@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from cp import debug
-from cp.comm import all_gather_into, check_group, global_ranks, meta_device
+from cp.agree import gather
+from cp.comm import check_group, global_ranks
 from cp.layout import _check_dims, _check_length, _scale, sdpa_in_layout
 from cp.shard import check_tensor, shard_sizes
 
@@ -142,10 +143,7 @@ def _agreed_sizes(what: str, group: Any, length: int, named: Sequence[tuple[str,
     same ValueError, naming ranks and sizes, when a size is wrong or the ranks passed different lengths.
     """
     n = group.size()
-    mine = torch.tensor([length] + [size for _, size in named], dtype=torch.int64, device=meta_device(group))
-    rows = torch.empty(n * mine.numel(), dtype=torch.int64, device=mine.device)
-    all_gather_into(rows, mine, group)
-    table = rows.view(n, mine.numel()).tolist()
+    table = gather([length] + [size for _, size in named], group)
     ranks = global_ranks(group)
     lengths = [row[0] for row in table]
     if len(set(lengths)) > 1:

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from cp import meta
-from cp.comm import all_gather_into, global_ranks, meta_device
+from cp.agree import gather
+from cp.comm import global_ranks
 
 ENV = "PARALLEL_STATE_DEBUG"
 _ON = frozenset({"1", "true", "yes", "on"})
@@ -27,11 +28,7 @@ def enabled() -> bool:
 
 def gather_meta(item: Any, group: Any) -> list[meta.Meta]:
     """Every rank's header for its ``item``, in group-rank order (one all-gather)."""
-    device = meta_device(group)
-    mine = meta.header_tensor(item, device, objects=True)
-    out = torch.empty(group.size() * meta.HEADER_LEN, dtype=torch.int64, device=device)
-    all_gather_into(out, mine, group)
-    return [meta.decode(row) for row in out.view(group.size(), meta.HEADER_LEN).tolist()]
+    return [meta.decode(row) for row in gather(meta.encode(item, objects=True), group)]
 
 
 def _signature(m: meta.Meta) -> tuple[Any, ...]:

@@ -21,7 +21,8 @@ import torch
 
 import parallel_state
 from cp import debug
-from cp.comm import all_gather_into, check_group, global_ranks, meta_device
+from cp.agree import gather
+from cp.comm import check_group, global_ranks
 from cp.shard import _gather_cat, _gather_cat_uneven, agree_shards, check_tensor, normalize_dim
 
 
@@ -48,11 +49,7 @@ def check_plan(what: str, plan: Any, cp_group: Any) -> tuple[int, int]:
 
 def agree_plan(what: str, plan: Any, cp_group: Any) -> None:
     """Raise the same ValueError on every rank unless every rank of ``cp_group`` passed the same plan (one all-gather)."""
-    device = meta_device(cp_group)
-    mine = torch.tensor([plan.fingerprint()], dtype=torch.int64, device=device)
-    every = torch.empty(cp_group.size(), dtype=torch.int64, device=device)
-    all_gather_into(every, mine, cp_group)
-    prints = every.tolist()
+    prints = [row[0] for row in gather([plan.fingerprint()], cp_group)]
     if len(set(prints)) > 1:
         ranks = global_ranks(cp_group)
         groups: dict[int, list[str]] = {}

@@ -17,8 +17,9 @@ from typing import Any, Sequence
 import torch
 
 from cp import engine, mask_schedule
-from cp.comm import all_gather_into, global_ranks, meta_device
-from cp.engine import AttentionCall
+from cp.agree import check
+from cp.comm import global_ranks
+from cp.engine import TRANSPORTS, AttentionCall
 from cp.mask_schedule import Schedule
 
 # ----------------------------------------------------------------------------- arguments
@@ -81,64 +82,37 @@ def schedule(plan: Any, positions_key: Any, positions: Any, rank: int, device: t
 
 
 def agree(what: str, group: Any, plan: Any, named: Sequence[tuple[str, int]], layout: str, fix: str,
-          even: bool = False) -> None:
-    """One small all-gather: raise the same ValueError on every rank unless every rank passed the same ``plan``
-    and group rank i holds ``plan.sizes[i]`` tokens in each of ``named`` (name, this rank's count).
+          even: bool = False, ring_group: Any = None) -> None:
+    """One agreement check (``cp.agree``): raise the same ValueError on every rank unless every rank passed the same
+    ``plan`` (and transport) and rank i holds ``plan.sizes[i]`` tokens in each of ``named`` (name, this rank's count).
 
     ``even``: no plan and no length were given, so every rank must hold the same number of tokens.
+    ``ring_group``: ``group`` is the Ulysses group of usp and the ranks are the cp ranks the two span.
     """
-    n, want = group.size(), plan.sizes
-    mine = torch.tensor([plan.fingerprint()] + [size for _, size in named], dtype=torch.int64,
-                        device=meta_device(group))
-    rows = torch.empty(n * mine.numel(), dtype=torch.int64, device=mine.device)
-    all_gather_into(rows, mine, group)
-    table = rows.view(n, mine.numel()).tolist()
-    ranks = global_ranks(group)
-    counts = [row[1] for row in table]
-    if even and len(set(counts)) > 1:
-        raise ValueError(f"{what}: the ranks hold different numbers of tokens ({counts} by group rank); for uneven "
-                         f"shards pass length= (the whole sequence's) or a plan")
-    if len({row[0] for row in table}) > 1:
-        raise ValueError(f"{what}: the ranks passed different masks or plans (checksums by group rank: "
-                         f"{[row[0] for row in table]}); pass the same mask and plan on every rank")
-    bad = [f"group rank {i} (global {ranks[i]}) holds {row[c]} tokens of {name}, the {layout} gives it {want[i]}"
-           for i, row in enumerate(table) for c, (name, _) in enumerate(named, start=1) if row[c] != want[i]]
-    if bad:
-        raise ValueError(f"{what}: {'; '.join(bad)} (every rank's: {list(want)}); {fix}")
+    want = plan.sizes
+    ranks = None if ring_group is not None else global_ranks(group)
+    unit = "cp" if ring_group is not None else "group"
 
+    def who(i: int) -> str:
+        return f"cp rank {i}" if ranks is None else f"group rank {i} (global {ranks[i]})"
 
-def agree_usp(what: str, ulysses_group: Any, ring_group: Any, plan: Any, named: Sequence[tuple[str, int]], fix: str,
-              even: bool = False) -> None:
-    """``agree`` over the cp group that the Ulysses and ring groups span (cp rank = ring rank * u + ulysses rank),
-    with one small all-gather in each: the same ValueError on every rank for a wrong token count or plan."""
-    u, j, fingerprint = ulysses_group.size(), ring_group.rank(), plan.fingerprint()
-    device = meta_device(ulysses_group)
-    mine = torch.tensor([fingerprint] + [size for _, size in named], dtype=torch.int64, device=device)
-    rows = torch.empty(u * mine.numel(), dtype=torch.int64, device=device)
-    all_gather_into(rows, mine, ulysses_group)
-    table = rows.view(u, mine.numel()).tolist()
-    # This Ulysses group's summary: [checksum, checksums differ, wrong counts, first wrong (cp rank, tensor, count),
-    # fewest and most tokens of q].
-    wrong = [(j * u + a, c, row[c]) for a, row in enumerate(table) for c in range(1, len(row))
-             if row[c] != plan.sizes[j * u + a]]
-    first = wrong[0] if wrong else (-1, 0, 0)
-    counts = [row[1] for row in table]
-    summary = torch.tensor([fingerprint, len({row[0] for row in table}) > 1, len(wrong), *first, min(counts),
-                            max(counts)], dtype=torch.int64, device=device)
-    r = ring_group.size()
-    rows = torch.empty(r * summary.numel(), dtype=torch.int64, device=device)
-    all_gather_into(rows, summary, ring_group)
-    groups = rows.view(r, summary.numel()).tolist()
-    if even and min(g[6] for g in groups) != max(g[7] for g in groups):
-        raise ValueError(f"{what}: the cp ranks hold different numbers of tokens (from {min(g[6] for g in groups)} to "
-                         f"{max(g[7] for g in groups)}); for uneven shards pass length= (the whole sequence's) or a plan")
-    if any(g[1] for g in groups) or len({g[0] for g in groups}) > 1:
-        raise ValueError(f"{what}: the ranks passed different masks or plans; pass the same mask and plan on every "
-                         f"rank")
-    bad = [f"cp rank {g[3]} holds {g[5]} tokens of {named[g[4] - 1][0]}, the plan gives it {plan.sizes[g[3]]}"
-           + (f" ({g[2] - 1} more wrong in its Ulysses group)" if g[2] > 1 else "") for g in groups if g[2]]
-    if bad:
-        raise ValueError(f"{what}: {'; '.join(bad)} (every cp rank's: {list(plan.sizes)}); {fix}")
+    def judge(table: list[list[int]]) -> str | None:
+        counts = [row[2] for row in table]
+        if even and len(set(counts)) > 1:
+            return (f"the ranks hold different numbers of tokens ({counts} by {unit} rank); for uneven shards pass "
+                    f"length= (the whole sequence's) or a plan")
+        if len({row[0] for row in table}) > 1:
+            return (f"the ranks passed different masks or plans (checksums by {unit} rank: {[row[0] for row in table]}); "
+                    f"pass the same mask and plan on every rank")
+        if len({row[1] for row in table}) > 1:
+            return (f"the ranks' plans ask for different transports ({[TRANSPORTS[row[1]] for row in table]} by {unit} "
+                    f"rank); pass the same plan on every rank")
+        bad = [f"{who(i)} holds {row[c]} tokens of {name}, the {layout} gives it {want[i]}"
+               for i, row in enumerate(table) for c, (name, _) in enumerate(named, start=2) if row[c] != want[i]]
+        return f"{'; '.join(bad)} (every {unit} rank's: {list(want)}); {fix}" if bad else None
+
+    row = [plan.fingerprint(), TRANSPORTS.index(transport_of(plan)), *(size for _, size in named)]
+    check(what, row, group, judge, ring_group)
 
 
 # ----------------------------------------------------------------------------- the call
@@ -146,7 +120,10 @@ def agree_usp(what: str, ulysses_group: Any, ring_group: Any, plan: Any, named: 
 
 def transport_of(plan: Any) -> str:
     """The transport a plan asks for (``DispatchPlan.transport``; "p2p" for plans that do not say)."""
-    return getattr(plan, "transport", None) or "p2p"
+    transport = getattr(plan, "transport", None) or "p2p"
+    if transport not in TRANSPORTS:
+        raise ValueError(f"cp attention: the plan's transport {transport!r} is not one of {TRANSPORTS}")
+    return transport
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sched: Schedule, group: Any, s: int, h: int,

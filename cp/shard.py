@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from cp import debug, meta
-from cp.comm import all_gather_into, as_bytes, backend_for, check_group, global_ranks, meta_device
+from cp.agree import gather
+from cp.comm import all_gather_into, as_bytes, backend_for, check_group, global_ranks
 from cp.workspace import discard, workspace
 from parallel_state import shard_sizes  # noqa: F401  (the rule lives with the planner; cp.shard_sizes is it)
 
@@ -160,11 +161,7 @@ def agree_shards(what: str, x: torch.Tensor, seq_dim: int, dim: int, group: Any,
     ``fix`` replaces the message's advice for a wrong size.
     """
     n = group.size()
-    device = meta_device(group)
-    mine = torch.tensor(meta.encode(x) + [-1 if length is None else length], dtype=torch.int64, device=device)
-    rows = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
-    all_gather_into(rows, mine, group)
-    table = rows.view(n, mine.numel()).tolist()
+    table = gather(meta.encode(x) + [-1 if length is None else length], group)
     metas = [meta.decode(row[:-1]) for row in table]
     lengths = [row[-1] for row in table]
     ranks = global_ranks(group)

@@ -124,8 +124,8 @@ def _masked_usp(q: Any, k: Any, v: Any, ulysses_group: Any, ring_group: Any, u: 
 
     sched = masked.schedule(plan, ("usp", u, r), ring_positions, j, q.device)
     named = [("q", q.shape[s]), ("k", k.shape[s]), ("v", v.shape[s])]
-    masked.agree_usp(what, ulysses_group, ring_group, plan, named, masked.layout_words(given, plan, u * r)[1],
-                     even=given is None and length is None)
+    masked.agree(what, ulysses_group, plan, named, *masked.layout_words(given, plan, u * r),
+                 even=given is None and length is None, ring_group=ring_group)
     block = plan.sizes[j * u:(j + 1) * u]
     seqs = None if len(set(block)) == 1 else [block] * 3
 
