@@ -1,8 +1,9 @@
-"""Counting what masked attention does on this rank: the pairs it computes and the K/V it sends.
+"""Counting what cp's attention engine does on this rank: the pairs it computes and the K/V it sends.
 
-``with cp.count_attention() as count:`` records, for every masked attention call (``mask=`` or
-``plan=`` given to ``ring_attention``, ``ulysses_attention`` or ``usp_attention``) made in this
-thread inside the block, forward and backward alike, what this rank actually computed and sent.
+``with cp.count_attention() as count:`` records, for every call of the engine (``cp.engine``: every
+``ring_attention``, and ``ulysses_attention`` / ``usp_attention`` with ``mask=`` or ``plan=``) made
+in this thread inside the block, forward and backward alike and for every transport, what this
+rank actually computed and sent.
 It exists so that a test or a benchmark can check the plan's figures against the work done: for
 the ring, ``count.pairs == batch * query heads * plan.work[rank]``. Outside such a block the cost
 is one list lookup per call.
@@ -18,7 +19,7 @@ from typing import Iterator
 
 @dataclass
 class AttentionCount:
-    """What this rank's masked attention computed and sent while the count was open.
+    """What this rank's attention engine computed and sent while the count was open.
 
     Pairs are counted per batch element and query head: a tile of R queries and W keys computed
     for B batch elements and H query heads adds B * H * (allowed pairs of the tile) to ``pairs``
@@ -33,7 +34,7 @@ class AttentionCount:
     kv_received: dict[int, int] = field(default_factory=dict)   #: K/V bytes received, by peer
     grad_sent: dict[int, int] = field(default_factory=dict)     #: dK/dV bytes sent back to the K/V's owner, by peer
     grad_received: dict[int, int] = field(default_factory=dict)  #: dK/dV bytes received from peers
-    calls: int = 0                   #: masked attention forward calls
+    calls: int = 0                   #: engine forward calls
 
     def add(self, table: dict[int, int], peer: int, nbytes: int) -> None:
         table[peer] = table.get(peer, 0) + nbytes
@@ -52,7 +53,7 @@ def active() -> list[AttentionCount]:
 
 @contextlib.contextmanager
 def count_attention() -> Iterator[AttentionCount]:
-    """Count the pairs and bytes of this thread's masked attention calls (forward and backward) inside the block."""
+    """Count the pairs and bytes of this thread's engine calls (forward and backward) inside the block."""
     count = AttentionCount()
     counts = active()
     counts.append(count)

@@ -385,6 +385,7 @@ class _Engine(torch.autograd.Function):
         ex = _Exchange(call, k, v, counts, None)
         acc = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=cd)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=cd)
+        fresh = True  # nothing merged yet: a first tile of every row is the result so far
         for t in range(sched.n):
             ex.start(t)  # overlaps this step's compute
             block = sched.blocks[t]
@@ -395,7 +396,12 @@ class _Engine(torch.autograd.Function):
                     kt, vt = _tile_kv(kb, vb, tile)
                     choice = kernels.choose_for(qt, kt, vt, tile.kind)
                     out, blse = kernels.forward(choice, qt, kt, vt, call.scale, _mask(choice, tile, q.device))
-                    _merge(acc, lse, tile.rows, out.to(cd), blse)
+                    if fresh and tile.num_rows == q.shape[-2] and isinstance(tile.rows, slice):
+                        acc.copy_(out)
+                        lse.copy_(blse)
+                    else:
+                        _merge(acc, lse, tile.rows, out.to(cd), blse)
+                    fresh = False
                     for c in counts:
                         c.pairs += per_row * tile.allowed
                         c.scores += per_row * tile.num_rows * (tile.c1 - tile.c0)
