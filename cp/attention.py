@@ -284,7 +284,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
     _check_split(what, q, "q", h, "head_dim", head_dim, n, "number of heads")
     repeats = [_kv_repeats(what, q, t, name, h, n) for name, t in (("k", k), ("v", v))]
     if masked:
-        return _masked(what, q, k, v, cp_group, n, s, h, repeats, attn_fn, mask, plan, length, attn_kwargs)
+        from cp.masked import MaskedArgs
+
+        return _masked(what, q, k, v, cp_group, repeats, attn_fn,
+                       MaskedArgs(mask, plan, False, length, s, h, attn_kwargs.get("scale")), attn_kwargs)
     assert attn_fn is not None
     if n == 1:
         if length is not None and q.shape[s] != length:
@@ -334,12 +337,13 @@ def _across_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
 _MASKED_KWARGS = ("scale", "enable_gqa")
 
 
-def _masked(what: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, n: int, s: int, h: int,
-            repeats: Sequence[int], attn_fn: Any, mask: Any, plan: Any, length: int | None,
-            attn_kwargs: dict[str, Any]) -> torch.Tensor:
-    """ulysses_attention with ``mask`` / ``plan``: the exchange around cp.masked's attention on the whole sequence."""
+def _masked(what: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, repeats: Sequence[int],
+            attn_fn: Any, args: Any, attn_kwargs: dict[str, Any]) -> torch.Tensor:
+    """ulysses_attention with ``mask`` / ``plan`` (``args``, a cp.masked.MaskedArgs with the normalized dims): the
+    exchange around the engine's masked attention on the whole sequence."""
     from cp import masked
 
+    n, s, h = 1 if group is None else group.size(), args.seq_dim, args.head_dim
     if attn_fn is not None:
         raise ValueError(f"{what}: attn_fn cannot be combined with mask= or plan= (the masked attention is built in); "
                          f"leave attn_fn out, or apply your mask inside attn_fn without mask=/plan=")
@@ -351,9 +355,9 @@ def _masked(what: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
     if q.dim() < 3:
         raise ValueError(f"{what}: masked attention needs at least 3 dims (sequence, heads, features); q has shape "
                          f"{tuple(q.shape)}")
-    scale = _scale(what, attn_kwargs.get("scale"), q.movedim((h, s), (-3, -2)).shape[-1])
-    given = plan
-    plan = masked.resolve(what, mask, plan, False, n, q.shape[s], length)
+    scale = _scale(what, args.scale, q.movedim((h, s), (-3, -2)).shape[-1])
+    given = args.plan
+    plan = masked.resolve(what, args, n, q.shape[s])
     whole = masked.schedule(plan, "whole", lambda: (tuple(p for mine in plan.positions for p in mine),), 0,
                             q.device)
 
@@ -367,7 +371,7 @@ def _masked(what: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
         return attn(q, k, v)
     named = [("q", q.shape[s]), ("k", k.shape[s]), ("v", v.shape[s])]
     masked.agree(what, group, plan, named, *masked.layout_words(given, plan, n),
-                 even=given is None and length is None)
+                 even=given is None and args.length is None)
     seqs = None if len(set(plan.sizes)) == 1 else [plan.sizes] * 3
     return _across_heads(q, k, v, group, s, h, repeats, seqs, attn)
 

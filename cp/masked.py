@@ -12,6 +12,7 @@ in any order: Ulysses uses it on the whole sequence it holds after its all-to-al
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -31,10 +32,25 @@ def _ps() -> Any:
     return parallel_state
 
 
-def resolve(what: str, mask: Any, plan: Any, causal: Any, n: int, local: int, length: int | None) -> Any:
-    """The plan to attend by, from ``mask`` / ``plan`` / ``causal``: the plan itself, or with a mask alone the
-    contiguous split of ``length`` (default: ``n * local``) tokens. Errors name what is wrong and what to pass."""
+@dataclass(frozen=True)
+class MaskedArgs:
+    """A masked call's arguments as its caller passed them (``mask``, ``plan``, ``causal``, ``length``, the layout
+    and ``scale``), so that they travel to the checks as one value."""
+
+    mask: Any
+    plan: Any
+    causal: Any = False
+    length: Any = None
+    seq_dim: Any = 1
+    head_dim: Any = 2
+    scale: Any = None
+
+
+def resolve(what: str, args: MaskedArgs, n: int, local: int) -> Any:
+    """The plan to attend by, from ``args.mask`` / ``plan`` / ``causal``: the plan itself, or with a mask alone the
+    contiguous split of ``args.length`` (default: ``n * local``) tokens. Errors name what is wrong and what to pass."""
     ps = _ps()
+    mask, plan, causal, length = args.mask, args.plan, args.causal, args.length
     if causal:
         raise ValueError(f"{what}: causal=True cannot be combined with mask= or plan=; pass mask=cp.Mask.causal() "
                          f"(and a plan made for it) instead")

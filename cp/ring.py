@@ -184,7 +184,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: 
         check_group(cp_group, what)
     n = 1 if cp_group is None else cp_group.size()
     if mask is not None or plan is not None:
-        return _masked_ring(what, q, k, v, cp_group, n, causal, mask, plan, length, seq_dim, head_dim, softmax_scale)
+        from cp.masked import MaskedArgs
+
+        return _masked_ring(what, q, k, v, cp_group,
+                            MaskedArgs(mask, plan, causal, length, seq_dim, head_dim, softmax_scale))
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(what, t, name)
     s = _check_dims(what, q, "q", seq_dim, head_dim, n)[0]
@@ -197,27 +200,28 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: 
                                  softmax_scale=softmax_scale, what=what, how=how)
 
 
-def _masked_ring(what: str, q: Any, k: Any, v: Any, group: Any, n: int, causal: Any, mask: Any, plan: Any,
-                 length: Any, seq_dim: Any, head_dim: Any, softmax_scale: Any) -> torch.Tensor:
-    """ring_attention with ``mask`` / ``plan``: checks, the cached schedule, the engine of cp.masked."""
+def _masked_ring(what: str, q: Any, k: Any, v: Any, group: Any, args: Any) -> torch.Tensor:
+    """ring_attention with ``mask`` / ``plan`` (``args``, a cp.masked.MaskedArgs): checks, the cached schedule,
+    the engine."""
     from cp import masked
 
-    s, h, _ = _check_qkv(what, q, k, v, seq_dim, head_dim, n)
-    if not isinstance(causal, bool):
-        raise TypeError(f"{what}: causal must be a bool, got {type(causal).__name__} {causal!r}")
-    if length is not None:
-        _check_length(what, length, n)
-    scale = _scale(what, softmax_scale, _feature(q, s, h))
-    given = plan
-    plan = masked.resolve(what, mask, plan, causal, n, q.shape[s], length)
+    n = 1 if group is None else group.size()
+    s, h, _ = _check_qkv(what, q, k, v, args.seq_dim, args.head_dim, n)
+    if not isinstance(args.causal, bool):
+        raise TypeError(f"{what}: causal must be a bool, got {type(args.causal).__name__} {args.causal!r}")
+    if args.length is not None:
+        _check_length(what, args.length, n)
+    scale = _scale(what, args.scale, _feature(q, s, h))
+    given = args.plan
+    plan = masked.resolve(what, args, n, q.shape[s])
     rank = 0 if group is None else group.rank()
     sched = masked.schedule(plan, "plan", lambda: plan.positions, rank, q.device)
     layout, fix = masked.layout_words(given, plan, n)
     if n > 1:
         masked.agree(what, group, plan, [("q", q.shape[s])], layout, fix,
-                     even=given is None and length is None)
+                     even=given is None and args.length is None)
     elif q.shape[s] != plan.length:
-        raise ValueError(f"{what}: q holds {q.shape[s]} tokens (seq_dim {seq_dim}) but the {layout} is for "
+        raise ValueError(f"{what}: q holds {q.shape[s]} tokens (seq_dim {args.seq_dim}) but the {layout} is for "
                          f"{plan.length}; without a group, pass the whole sequence")
     return masked.attend(q, k, v, sched, group if n > 1 else None, s, h, scale, masked.transport_of(plan))
 

@@ -49,8 +49,10 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_
     what = "usp_attention"
     u, r = _size(ulysses_group, "ulysses_group"), _size(ring_group, "ring_group")
     if mask is not None or plan is not None:
-        return _masked_usp(q, k, v, ulysses_group, ring_group, u, r, causal, mask, plan, length, seq_dim, head_dim,
-                           softmax_scale)
+        from cp.masked import MaskedArgs
+
+        return _masked_usp(q, k, v, ulysses_group, ring_group,
+                           MaskedArgs(mask, plan, causal, length, seq_dim, head_dim, softmax_scale))
     if u == 1:
         return ring_attention(q, k, v, None if r == 1 else ring_group, causal=causal, length=length,
                               seq_dim=seq_dim, head_dim=head_dim, softmax_scale=softmax_scale)
@@ -91,31 +93,33 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_
                              length=ulysses_length)
 
 
-def _masked_usp(q: Any, k: Any, v: Any, ulysses_group: Any, ring_group: Any, u: int, r: int, causal: Any, mask: Any,
-                plan: Any, length: Any, seq_dim: Any, head_dim: Any, softmax_scale: Any) -> torch.Tensor:
-    """usp_attention with ``mask`` / ``plan``: Ulysses' exchange around the masked ring over the ring ranks."""
+def _masked_usp(q: Any, k: Any, v: Any, ulysses_group: Any, ring_group: Any, args: Any) -> torch.Tensor:
+    """usp_attention with ``mask`` / ``plan`` (``args``, a cp.masked.MaskedArgs): Ulysses' exchange around the
+    masked ring over the ring ranks."""
     from cp import masked
 
     what = "usp_attention"
+    u, r = _size(ulysses_group, "ulysses_group"), _size(ring_group, "ring_group")
+    a = args
     if u == 1:  # the masked ring alone, or plain masked attention
-        return ring_attention(q, k, v, None if r == 1 else ring_group, causal=causal, mask=mask, plan=plan,
-                              length=length, seq_dim=seq_dim, head_dim=head_dim, softmax_scale=softmax_scale)
+        return ring_attention(q, k, v, None if r == 1 else ring_group, causal=a.causal, mask=a.mask, plan=a.plan,
+                              length=a.length, seq_dim=a.seq_dim, head_dim=a.head_dim, softmax_scale=a.scale)
     if r == 1:
-        if causal:
-            masked.resolve(what, mask, plan, causal, u, 0, None)  # raises: causal=True with a mask
-        kwargs = {} if softmax_scale is None else {"scale": softmax_scale}
-        return ulysses_attention(q, k, v, ulysses_group, mask=mask, plan=plan, length=length, seq_dim=seq_dim,
-                                 head_dim=head_dim, **kwargs)
-    s, h, _ = _check_qkv(what, q, k, v, seq_dim, head_dim, u * r)
-    if not isinstance(causal, bool):
-        raise TypeError(f"{what}: causal must be a bool, got {type(causal).__name__} {causal!r}")
-    if length is not None:
-        _check_length(what, length, u * r)
-    scale = _scale(what, softmax_scale, q.movedim((h, s), (-3, -2)).shape[-1])
-    _check_split(what, q, "q", h, "head_dim", head_dim, u, "number of heads")
+        if a.causal:
+            masked.resolve(what, a, u, 0)  # raises: causal=True with a mask
+        kwargs = {} if a.scale is None else {"scale": a.scale}
+        return ulysses_attention(q, k, v, ulysses_group, mask=a.mask, plan=a.plan, length=a.length,
+                                 seq_dim=a.seq_dim, head_dim=a.head_dim, **kwargs)
+    s, h, _ = _check_qkv(what, q, k, v, a.seq_dim, a.head_dim, u * r)
+    if not isinstance(a.causal, bool):
+        raise TypeError(f"{what}: causal must be a bool, got {type(a.causal).__name__} {a.causal!r}")
+    if a.length is not None:
+        _check_length(what, a.length, u * r)
+    scale = _scale(what, a.scale, q.movedim((h, s), (-3, -2)).shape[-1])
+    _check_split(what, q, "q", h, "head_dim", a.head_dim, u, "number of heads")
     repeats = [_kv_repeats(what, q, t, name, h, u) for name, t in (("k", k), ("v", v))]
-    given = plan
-    plan = masked.resolve(what, mask, plan, causal, u * r, q.shape[s], length)
+    given = a.plan
+    plan = masked.resolve(what, a, u * r, q.shape[s])
     j = ring_group.rank()
 
     def ring_positions() -> tuple[tuple[int, ...], ...]:
@@ -125,7 +129,7 @@ def _masked_usp(q: Any, k: Any, v: Any, ulysses_group: Any, ring_group: Any, u: 
     sched = masked.schedule(plan, ("usp", u, r), ring_positions, j, q.device)
     named = [("q", q.shape[s]), ("k", k.shape[s]), ("v", v.shape[s])]
     masked.agree(what, ulysses_group, plan, named, *masked.layout_words(given, plan, u * r),
-                 even=given is None and length is None, ring_group=ring_group)
+                 even=given is None and a.length is None, ring_group=ring_group)
     block = plan.sizes[j * u:(j + 1) * u]
     seqs = None if len(set(block)) == 1 else [block] * 3
 
