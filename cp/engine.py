@@ -131,7 +131,6 @@ class _Exchange:
         self.recv: torch.Tensor | None = None
         self.held: torch.Tensor | None = None  # the ring's block held now (whole), or p2p's received one
         self.gathered: torch.Tensor | None = None
-        self.gd = grad_dtype
         if grad_dtype is not None:  # backward: this rank's own dK/dV
             self.dk = k.new_zeros(k.shape, dtype=grad_dtype)
             self.dv = v.new_zeros(v.shape, dtype=grad_dtype)
