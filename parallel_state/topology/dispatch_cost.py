@@ -154,7 +154,13 @@ class AttentionShape:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element of ``dtype``."""
         return itemsize("AttentionShape", self.dtype)
+
+    @property
+    def pair_flops(self) -> int:
+        """FLOPs of one allowed (query, key) pair over every head and batch element, for one step."""
+        return self.batch * self.heads * (FLOPS_TRAINING if self.backward else FLOPS_FORWARD) * self.head_dim
 
 
 @dataclass(frozen=True)
@@ -238,11 +244,9 @@ def predict(mask: AttentionMask, length: int, runs: Sequence[Runs], work: Sequen
     blocks = [[run for c in range(j * u, (j + 1) * u) for run in runs[c]] for j in range(r)]
     sizes = [sum(b - a for a, b in rank) for rank in runs]
     passes = 3 if shape.backward else 1
-    flops = (FLOPS_TRAINING if shape.backward else FLOPS_FORWARD) * shape.head_dim
     e = shape.itemsize
     kv_token = 2 * shape.kv_heads * shape.head_dim * e * shape.batch  # K and V of one token, all K/V heads
-    compute = [shape.batch * shape.heads * sum(work[j * u:(j + 1) * u]) * flops / (u * rates.flops_per_ms)
-               for j in range(r)]
+    compute = [sum(work[j * u:(j + 1) * u]) * shape.pair_flops / (u * rates.flops_per_ms) for j in range(r)]
     busiest = max(compute)
     parallel = n if rates.parallel is None else min(float(n), rates.parallel)
     stretch = max(1.0, u * sum(compute) / (parallel * busiest)) if busiest > 0 else 1.0
