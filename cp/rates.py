@@ -14,7 +14,8 @@ A few milliseconds of work on the attention's device, every rank of the group ta
   the share of the shorter of the two that this hid (1 where copy engines move the bytes, near 0
   where the cores that compute also copy them, as on CPU ranks).
 
-Every time is the slowest rank's (one all-reduce of them all), so every rank derives the same
+Every time is agreed as the median over the ranks of each rank's fastest repetition (one small
+all-gather: a rank descheduled once does not set the group's rates), so every rank derives the same
 rates and plans the same layout. Cached per (group, device, dtype, heads, head_dim, backward): a
 second call is a lookup, no communication. Every rank of the group must call it (a collective).
 """
@@ -28,13 +29,13 @@ import torch
 import torch.distributed as dist
 
 import parallel_state
-from cp.comm import backend_map, check_group, global_ranks, local_device, meta_device
+from cp.comm import all_gather_into, backend_map, check_group, global_ranks, local_device, meta_device
 
 #: Queries and keys of the timed block; message sizes in bytes (small; large on CPU and on a GPU).
 QUERIES, KEYS = 256, 1024
-SMALL_BYTES, LARGE_BYTES_CPU, LARGE_BYTES_GPU = 1024, 1 << 20, 16 << 20
+SMALL_BYTES, LARGE_BYTES_CPU, LARGE_BYTES_GPU = 1024, 4 << 20, 16 << 20
 #: Timed repetitions of each measurement (the fastest counts, after one untimed warm-up).
-REPEATS = 3
+REPEATS = 5
 _TAG = 15
 
 #: (id(group), params) -> (group, rates): the group is held so that its id is not reused while listed.
@@ -141,9 +142,12 @@ def _measure(group: Any, n: int, rank: int, dev: torch.device, dtype: torch.dtyp
     small, big = _best(exchange(SMALL_BYTES), dev), _best(exchange(large), dev)
     dist.barrier(group=group)
     overlapped = _best(both, dev)
-    times = torch.tensor([together, alone, small, big, overlapped], dtype=torch.float64, device=meta_device(group))
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    together, alone, small, big, overlapped = times.tolist()
+    mine = torch.tensor([together, alone, small, big, overlapped], dtype=torch.float64, device=meta_device(group))
+    every = torch.empty(n * mine.numel(), dtype=torch.float64, device=mine.device)
+    all_gather_into(every, mine, group)
+    rows = every.view(n, mine.numel()).cpu()
+    together, small, big, overlapped = (float(rows[:, i].median()) for i in (0, 2, 3, 4))
+    alone = float(rows[0, 1])  # rank 0's alone
     flops = parallel_state.AttentionShape(heads=heads, head_dim=head_dim, backward=backward).pair_flops * QUERIES * KEYS
     xfer = max(big - small, 1e-6)
     hidden = (together + big - overlapped) / max(min(together, big), 1e-6)
