@@ -38,6 +38,7 @@ interval: every kind's ``lo`` and ``hi`` never decrease and each query sees itse
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
@@ -193,8 +194,15 @@ def _merged(runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 def needs(mask: AttentionMask, length: int, blocks: Sequence[Sequence[tuple[int, int]]]) -> list[list[int]]:
     """``needs[j][i]``: tokens of block i that some query of block j may see (the mask's cover of j's queries).
 
-    ``blocks[j]``: block j's token runs. Interval arithmetic: a run's queries see one interval.
+    ``blocks[j]``: block j's token runs. Interval arithmetic: a run's queries see one interval. Cached
+    (a layout is priced under several transports).
     """
+    return [list(row) for row in _needs(mask, length, tuple(tuple(map(tuple, b)) for b in blocks))]
+
+
+@functools.lru_cache(maxsize=256)
+def _needs(mask: AttentionMask, length: int, blocks: tuple[tuple[tuple[int, int], ...], ...]
+           ) -> tuple[tuple[int, ...], ...]:
     import torch
 
     runs = [_merged(b) for b in blocks]
@@ -213,8 +221,8 @@ def needs(mask: AttentionMask, length: int, blocks: Sequence[Sequence[tuple[int,
                 start, stop, i = owned[k]
                 row[i] += max(0, min(stop, y) - max(start, x))
                 k += 1
-        out.append(row)
-    return out
+        out.append(tuple(row))
+    return tuple(out)
 
 
 def received(mask: AttentionMask, length: int, blocks: Sequence[Sequence[tuple[int, int]]],

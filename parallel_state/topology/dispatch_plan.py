@@ -302,10 +302,15 @@ def _layouts(mask: AttentionMask, length: int, cp_size: int) -> dict[str, tuple[
     sizes = shard_sizes(length, cp_size)
     prefix = torch.zeros(length + 1, dtype=torch.int64)
     torch.cumsum(mask.widths(length), 0, out=prefix[1:])
-    prefix_list = prefix.tolist()
 
     def work(runs: tuple[Runs, ...]) -> tuple[int, ...]:
-        return tuple(sum(prefix_list[stop] - prefix_list[start] for start, stop in rank) for rank in runs)
+        ends = torch.tensor([p for rank in runs for run in rank for p in run], dtype=torch.int64)
+        at = prefix[ends].view(-1, 2).diff(dim=1).flatten().tolist()  # one gather: a few runs per rank
+        out, i = [], 0
+        for rank in runs:
+            out.append(sum(at[i:i + len(rank)]))
+            i += len(rank)
+        return tuple(out)
 
     cut = [0]
     for n in sizes:
@@ -319,15 +324,16 @@ def _layouts(mask: AttentionMask, length: int, cp_size: int) -> dict[str, tuple[
             balanced = (zigzag, work(zigzag))
     out["balanced"] = balanced
     if mask.kind == "packed" and len(mask.lengths or ()) > 1 and cp_size > 1:
-        clips = _clips(mask, length, cp_size, prefix_list)
+        clips = _clips(mask, length, cp_size, prefix)
         out["clips"] = (clips, work(clips))
     return out
 
 
-def _clips(mask: AttentionMask, length: int, cp_size: int, prefix: list[int]) -> tuple[Runs, ...]:
+def _clips(mask: AttentionMask, length: int, cp_size: int, prefix_tensor: torch.Tensor) -> tuple[Runs, ...]:
     """Whole clips packed onto ranks by work, a clip on the busiest rank split one rank further while that
     helps (module doc)."""
     bounds = mask.segment_bounds(length)
+    prefix = prefix_tensor.tolist()
     clips = [(a, b, prefix[b] - prefix[a]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     inner = AttentionMask.full() if mask.chunk is None else AttentionMask.chunk_causal(mask.chunk)
     target = prefix[length] / cp_size
