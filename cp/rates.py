@@ -3,10 +3,10 @@
 A few milliseconds of work on the attention's device, every rank of the group taking part:
 
 - compute: a block of fused attention (``scaled_dot_product_attention``, forward and backward
-  unless ``backward=False``) of 256 queries x 1,024 keys, first on every rank at once, then on
-  group rank 0 alone while the others wait; ``flops_per_ms`` from the first, ``parallel`` (how many
-  ranks compute at once) from their ratio: ranks sharing cores slow each other down, ranks with a
-  device each do not;
+  unless ``backward=False``) of 256 queries x 1,024 keys on every rank at once: ``flops_per_ms``;
+- sharing: ``parallel``, how many ranks can compute at once, counted rather than timed (a timing of
+  one rank alone is at the mercy of whatever else the machine runs): on CUDA the distinct devices
+  of the group, on CPU per host the usable cores over each rank's torch threads (at most its ranks);
 - transfer: each rank sends its neighbour a small and a large message (batch_isend_irecv, as the
   attention's transfers): ``latency_ms`` is the small one's time, ``bytes_per_ms`` the large one's
   extra bytes over its extra time;
@@ -22,7 +22,10 @@ second call is a lookup, no communication. Every rank of the group must call it 
 
 from __future__ import annotations
 
+import os
+import socket
 import time
+import zlib
 from typing import Any, Callable
 
 import torch
@@ -137,23 +140,38 @@ def _measure(group: Any, n: int, rank: int, dev: torch.device, dtype: torch.dtyp
     dist.barrier(group=group)
     together = _best(block, dev)
     dist.barrier(group=group)
-    alone = _best(block, dev) if rank == 0 else 0.0
-    dist.barrier(group=group)
     small, big = _best(exchange(SMALL_BYTES), dev), _best(exchange(large), dev)
     dist.barrier(group=group)
     overlapped = _best(both, dev)
-    mine = torch.tensor([together, alone, small, big, overlapped], dtype=torch.float64, device=meta_device(group))
+    host = zlib.crc32(socket.gethostname().encode())
+    if dev.type == "cuda":  # ranks on one host sharing a device index share that GPU
+        slot, cores = float(dev.index or 0), 1.0
+    else:
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        slot, cores = 0.0, usable / max(1, torch.get_num_threads())
+    mine = torch.tensor([together, small, big, overlapped, host, slot, cores], dtype=torch.float64,
+                        device=meta_device(group))
     every = torch.empty(n * mine.numel(), dtype=torch.float64, device=mine.device)
     all_gather_into(every, mine, group)
     rows = every.view(n, mine.numel()).cpu()
-    together, small, big, overlapped = (float(rows[:, i].median()) for i in (0, 2, 3, 4))
-    alone = float(rows[0, 1])  # rank 0's alone
+    together, small, big, overlapped = (float(rows[:, i].median()) for i in range(4))
+    parallel = _parallel(rows[:, 4:].tolist(), dev.type == "cuda")
     flops = parallel_state.AttentionShape(heads=heads, head_dim=head_dim, backward=backward).pair_flops * QUERIES * KEYS
     xfer = max(big - small, 1e-6)
     hidden = (together + big - overlapped) / max(min(together, big), 1e-6)
     return parallel_state.CostRates(
         flops_per_ms=flops / together, bytes_per_ms=(large - SMALL_BYTES) / xfer, latency_ms=small,
-        overlap=min(1.0, max(0.0, hidden)), parallel=min(float(n), max(1.0, n * alone / together)))
+        overlap=min(1.0, max(0.0, hidden)), parallel=parallel)
+
+
+def _parallel(rows: list[list[float]], cuda: bool) -> float:
+    """How many of the ranks compute at once, from each rank's (host, device slot, cores over threads)."""
+    hosts: dict[float, list[list[float]]] = {}
+    for row in rows:
+        hosts.setdefault(row[0], []).append(row)
+    if cuda:
+        return float(sum(len({row[1] for row in ranks}) for ranks in hosts.values()))
+    return float(sum(min(len(ranks), max(1.0, min(row[2] for row in ranks))) for ranks in hosts.values()))
 
 
 def clear_rates() -> None:
