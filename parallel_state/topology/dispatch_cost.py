@@ -166,12 +166,12 @@ class AttentionShape:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One priced (layout, transport): the predicted step time and its parts, for the busiest rank."""
+    """One priced (layout, transport): the predicted step time and its parts, for the rank predicted slowest."""
 
     method: str
     transport: str
     predicted_ms: float
-    compute_ms: float       #: the busiest rank's compute (stretched when ranks share cores)
+    compute_ms: float       #: that rank's compute (stretched when ranks share cores)
     comm_ms: float          #: its transfers, messages and all-to-all, before overlap
     balance: float          #: max / mean attention work over the cp ranks
     recv_tokens: int        #: most K/V tokens a ring block receives per forward

@@ -33,9 +33,10 @@ tokens where it can), a clip too heavy for one rank split over as few ranks as i
 balanced plan of the clip alone: zigzag for chunk-causal clips), until the work is within 1.05 of
 the mean or no clip can be split further. A clip on one rank needs no other rank's K/V, so the
 clip plan balances the work at a fraction of the balanced plan's bytes; its token counts follow
-the clips (``sizes``). The choice is never predicted slower than the contiguous split, and a
-candidate later in the order (contiguous, balanced, clips; p2p, allgather, ring) is taken only
-when it is predicted more than ``MARGIN`` faster than every earlier one within reach.
+the clips (``sizes``). The choice is the first candidate in the order (contiguous, balanced, clips;
+each with p2p, allgather, ring) predicted within ``MARGIN`` of the fastest and no slower than the
+fastest contiguous candidate: never predicted slower than the contiguous split, and a more complex
+plan only for a clear gain (the model is a model).
 """
 
 from __future__ import annotations
