@@ -33,7 +33,7 @@ tokens where it can), a clip too heavy for one rank split over as few ranks as i
 balanced plan of the clip alone: zigzag for chunk-causal clips), until the work is within 1.05 of
 the mean or no clip can be split further. A clip on one rank needs no other rank's K/V, so the
 clip plan balances the work at a fraction of the balanced plan's bytes; its token counts follow
-the clips (``sizes``). The choice is the first candidate in the order (contiguous, balanced, clips;
+the clips (``sizes``). The choice is the first candidate in the order (contiguous, clips, balanced;
 each with p2p, allgather, ring) predicted within ``MARGIN`` of the fastest and no slower than the
 fastest contiguous candidate: never predicted slower than the contiguous split, and a more complex
 plan only for a clear gain (the model is a model).
@@ -58,8 +58,11 @@ if TYPE_CHECKING:
 
 #: The layouts a plan can hold; ``plan_dispatch`` also takes "auto" (the cost model's choice among them).
 METHODS = ("balanced", "contiguous", "clips")
-#: A later candidate must be predicted this much faster than an earlier one to be chosen (model error).
-MARGIN = 0.03
+#: The order "auto" weighs them in, simplest traffic first (a clip kept whole sends nothing).
+ORDER = ("contiguous", "clips", "balanced")
+#: A later (more complex) candidate is chosen only when the earlier ones are predicted this much slower than the
+#: fastest: the model's error on measured CPU and GPU steps is of this order, and a wrong complex plan costs bytes.
+MARGIN = 0.10
 #: The clip plan keeps a rank within this many times the even share of tokens where the clips allow.
 TOKEN_SKEW = 1.25
 
@@ -255,7 +258,7 @@ def plan_dispatch(mask: AttentionMask, length: int, cp_size: int, *, method: str
 def _plan(mask: AttentionMask, length: int, cp_size: int, method: str, transport: str | None, rates: CostRates,
           shape: AttentionShape, ulysses_size: int) -> DispatchPlan:
     layouts = _layouts(mask, length, cp_size)
-    names = [m for m in ("contiguous", "balanced", "clips") if m in layouts] if method == "auto" else [method]
+    names = [m for m in ORDER if m in layouts] if method == "auto" else [method]
     ways = TRANSPORTS if transport is None and method == "auto" else (transport or "p2p",)
     seen: set[tuple[Runs, ...]] = set()
     priced = []
