@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import statistics
 import sys
 import traceback
@@ -40,13 +41,25 @@ PLANS = ("auto", "contiguous", "balanced")
 
 
 def _rank_main(rank: int, world: int, store: str, opts: dict[str, Any], conn: Any) -> None:
+    """One rank: join the group, measure, send ("ok", rank 0's figures) or ("err", why) to the parent."""
+    import torch
+    import torch.distributed as dist
+
+    import parallel_state as ps
+
+    reply: tuple[str, Any]
     try:
-        conn.send(("ok", _measure(rank, world, store, opts)))
+        torch.set_num_threads(opts["threads"])
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        ps.initialize_model_parallel(context_parallel_size=world, hierarchical_context_parallel_sizes=[2, world // 2])
+        reply = ("ok", _measure(rank, world, opts))
     except BaseException as exc:  # report, so the parent prints why instead of waiting
-        conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        reply = ("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    conn.send(reply)
 
 
-def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[str, Any] | None:
+def _measure(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
@@ -54,10 +67,6 @@ def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[st
     import parallel_state as ps
     from cp.comm import all_gather_into
 
-    torch.set_num_threads(opts["threads"])
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    ps.initialize_model_parallel(context_parallel_size=world, hierarchical_context_parallel_sizes=[2, world // 2])
     ug, rg = ps.get_hierarchical_context_parallel_groups()
     group = dist.group.WORLD
     rates = cp.measure_rates(group, heads=MASKED_HEADS, head_dim=MASKED_DIM, dtype=torch.float32)
@@ -71,20 +80,14 @@ def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[st
     for mask_name, mask in masked_cases().items():
         want = cp.sdpa_in_layout(q, k, v, attn_mask=mask.dense(length))
         for how, u in (("ring", 1), (f"usp 2x{world // 2}", 2)):
+            attend = (functools.partial(cp.ring_attention, cp_group=group) if u == 1 else
+                      functools.partial(cp.usp_attention, ulysses_group=ug, ring_group=rg))
             for label in PLANS:
                 plan = cp.plan_dispatch(mask, length, world, method=label, rates=rates, shape=shape, ulysses_size=u)
                 mine = plan.index(rank)
-                ins = [t[:, mine].requires_grad_(True) for t in (q, k, v)]
-
-                def step(ins=ins, plan=plan, how=how, g_out=grad[:, mine]) -> Any:
-                    if how == "ring":
-                        out = cp.ring_attention(*ins, group, plan=plan)
-                    else:
-                        out = cp.usp_attention(*ins, ulysses_group=ug, ring_group=rg, plan=plan)
-                    out.backward(g_out)
-                    return out
-                out = step()  # checked against one process before any timing
-                err = ((out.detach() - want[:, mine]).abs().max() / want.abs().max()).item()
+                step = functools.partial(_step, attend, plan, [t[:, mine].requires_grad_(True) for t in (q, k, v)],
+                                         grad[:, mine])
+                err = ((step().detach() - want[:, mine]).abs().max() / want.abs().max()).item()  # before timing
                 if err > 1e-5:
                     raise AssertionError(f"{how} {mask_name} {label}: max |diff| / max |ref| = {err:.3g}")
                 ways[(mask_name, how, label)] = step
@@ -113,6 +116,13 @@ def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[st
                                        "transport": plans[key].transport, "balance": plans[key].balance,
                                        "same": same[key][2] if key in same else ""}
                      for key in ways}}
+
+
+def _step(attend: Any, plan: Any, ins: list[Any], grad: Any) -> Any:
+    """One forward + backward of ``attend`` on this rank's q, k, v under ``plan``; the output."""
+    out = attend(*ins, plan=plan)
+    out.backward(grad)
+    return out
 
 
 def rows_for(world: int, opts: dict[str, Any]) -> tuple[str, list[list[Any]], list[float], list[float]]:
