@@ -1,6 +1,7 @@
-"""cp.dispatch / cp.undispatch on real gloo ranks: round trips and gradients for every mask kind, both plan methods,
+"""cp.dispatch / cp.undispatch on real gloo ranks: round trips and gradients for every mask kind, every plan method,
 even and uneven lengths, at cp 4 (the world), 3 (a subgroup) and 2 (members 0, 2 and 1, 3: group rank != global
-rank), checked against indexing the whole sequence in one process; and the errors, raised on every rank."""
+rank), checked against indexing the whole sequence in one process; and the errors, raised on every rank. And
+cp.measure_rates on 2-rank groups: measured once, cached, the same on both ranks."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _cases(n):
     combos = [(24, cp.Mask.causal(), "balanced"), (23, cp.Mask.chunk_causal(5), "balanced"),
               (23, cp.Mask.sliding_window(3, 2), "balanced"), (24, cp.Mask.packed([15, 9], 3), "balanced"),
               (13, cp.Mask.packed([4, 9]), "balanced"), (23, cp.Mask.full(), "balanced"),
-              (23, cp.Mask.causal(), "contiguous")]
+              (23, cp.Mask.causal(), "contiguous"), (24, cp.Mask.packed([3, 11, 4, 6]), "clips")]
     out = []
     for i, (length, mask, method) in enumerate(combos):
         shape, d = [((length, 3), 0), ((2, length, 3), 1), ((2, 3, length), -1)][(i + n) % 3]
@@ -83,6 +84,37 @@ def case_round_trips_and_gradients():
         if dist.get_rank() != 3:
             dist.destroy_process_group(three)
     return checks
+
+
+def case_rates_measured_once_and_agreed():
+    """cp.measure_rates on the 2-rank groups (0, 2) and (1, 3): valid rates, the same on both ranks of a group, a
+    second call a lookup without communication, a plan from them the same on both ranks; its errors."""
+    import torch.distributed as dist
+
+    from cpgroups import cp_groups, spying
+
+    _, pair = cp_groups()
+    rates = cp.measure_rates(pair, heads=2, head_dim=16)
+    assert isinstance(rates, cp.CostRates) and rates.flops_per_ms > 0 and rates.bytes_per_ms > 0
+    assert rates.latency_ms >= 0 and 0 <= rates.overlap <= 1 and 1 <= rates.parallel <= 2
+    calls = []
+    with spying(lambda name, args, kwargs: calls.append(name)):
+        assert cp.measure_rates(pair, heads=2, head_dim=16) is rates
+    assert calls == []  # cached: no communication
+    mine = torch.tensor([rates.flops_per_ms, rates.bytes_per_ms, rates.latency_ms, rates.overlap, rates.parallel],
+                        dtype=torch.float64)
+    both = torch.empty(2 * mine.numel(), dtype=torch.float64)
+    dist.all_gather_into_tensor(both, mine, group=pair)
+    assert torch.equal(both[:5], both[5:])  # bit for bit: every rank plans the same
+    plan = cp.plan_dispatch(cp.Mask.packed([40, 20, 36]), 96, 2, rates=rates,
+                            shape=cp.AttentionShape(heads=2, head_dim=16, dtype="float32"))
+    prints = torch.empty(2, dtype=torch.int64)
+    dist.all_gather_into_tensor(prints, torch.tensor([plan.fingerprint()]), group=pair)
+    assert prints[0] == prints[1] and plan.predicted_ms <= min(
+        c.predicted_ms for c in plan.candidates if c.method == "contiguous")
+    raises(TypeError, ["measure_rates: group must be a torch.distributed ProcessGroup"], cp.measure_rates, "world")
+    raises(ValueError, ["head_dim must be an int >= 1, got 0"], cp.measure_rates, pair, head_dim=0)
+    return True
 
 
 def case_no_group():
@@ -142,8 +174,22 @@ def case_errors():
 
 
 def test_dispatch_round_trips_and_gradients(pools):
-    per_group = 8  # rank 3 is not in the cp 3 group
+    per_group = 9  # rank 3 is not in the cp 3 group
     assert pools(4).run(case_round_trips_and_gradients, timeout=120) == [3 * per_group] * 3 + [2 * per_group]
+
+
+def test_rates_measured_once_and_agreed(pools):
+    assert pools(4).run(case_rates_measured_once_and_agreed) == [True] * 4
+
+
+def test_ranks_computing_at_once_are_counted():
+    """measure_rates' sharing count from each rank's (host, device, cores over threads): GPUs by distinct device per
+    host, CPU ranks by the cores their threads can use (4 one-thread ranks on 2 cores: 2 at once)."""
+    from cp.rates import _parallel
+
+    assert _parallel([[1, 0, 2.0]] * 4, cuda=False) == 2.0
+    assert _parallel([[1, 0, 8.0]] * 4 + [[2, 0, 1.0]] * 3, cuda=False) == 5.0  # 4 of host 1, 1 of host 2
+    assert _parallel([[1, d, 1.0] for d in range(8)] + [[2, 0, 1.0]] * 2, cuda=True) == 9.0  # two share host 2's GPU
 
 
 def test_dispatch_without_group():
@@ -158,7 +204,9 @@ def test_one_class_and_public_names():
     import parallel_state as ps
 
     assert cp.Mask is ps.AttentionMask and cp.DispatchPlan is ps.DispatchPlan and cp.plan_dispatch is ps.plan_dispatch
-    assert {"Mask", "DispatchPlan", "plan_dispatch", "dispatch", "undispatch"} <= set(cp.__all__)
+    assert {"Mask", "DispatchPlan", "plan_dispatch", "dispatch", "undispatch", "CostRates", "AttentionShape",
+            "measure_rates"} <= set(cp.__all__)
+    assert cp.CostRates is ps.CostRates and cp.AttentionShape is ps.AttentionShape
 
 
 @pytest.mark.parametrize("seq_dim", [0, -1])

@@ -331,15 +331,20 @@ def test_plan_mask_reports_work_and_bytes_balanced_beside_contiguous(capsys):
     assert code == 0 and err == ""
     got = json.loads(out)["cp_plan"]
     mask = ps.AttentionMask.chunk_causal(4680)
-    want = ps.plan_context_parallel((1, 16, 21, 60, 104), 8, 12, mask=mask)
+    want = ps.plan_context_parallel((1, 16, 21, 60, 104), 8, 12, mask=mask, head_dim=64, dtype="float32")
     assert got["description"] == want.describe()
     assert {k: got["mask"][k] for k in ("spec", "description", "dtype", "head_dim")} == {
         "spec": "chunk_causal:4680", "description": mask.describe(), "dtype": "float32", "head_dim": 64}
-    for method in ("balanced", "contiguous"):
+    for method, key in (("balanced", "balanced"), ("contiguous", "contiguous"), ("auto", "chosen")):
         plan = want.dispatch_plan(method)
-        assert got["mask"][method] == {
+        assert {k: v for k, v in got["mask"][key].items() if k != "why"} == {
+            "method": plan.method, "transport": plan.transport, "predicted_ms": plan.predicted_ms,
             "work": list(plan.work), "balance": plan.balance, "runs": [[list(r) for r in runs] for runs in plan.runs],
             "bytes": list(want.masked_bytes_per_rank("float32", 64, method=method))}
+    chosen = want.chosen
+    assert got["mask"]["chosen"]["why"] == chosen.why and chosen.predicted_ms <= want.contiguous.predicted_ms
+    assert [(c["method"], c["transport"], c["predicted_ms"]) for c in got["mask"]["candidates"]] == [
+        (c.method, c.transport, c.predicted_ms) for c in chosen.candidates]
     assert got["mask"]["contiguous"]["runs"] == [[[4095 * r, 4095 * (r + 1)]] for r in range(8)]
     code, out, err = _run(capsys, argv)
     assert code == 0 and err == ""
@@ -349,6 +354,15 @@ def test_plan_mask_reports_work_and_bytes_balanced_beside_contiguous(capsys):
     b, c = want.balanced, want.contiguous
     assert table["7"][1:5] == ["4095", str(len(b.runs[7])), str(b.work[7]), str(c.work[7])]
     assert table["max/mean"][1:3] == [f"{b.balance:.4f}", f"{c.balance:.4f}"] and c.balance > 1.7
+    # the cost model's choice: layout, transport, predicted time, every candidate and why
+    a = ps.plan_context_parallel((1, 16, 21, 60, 104), 8, 12, mask=mask).chosen  # head dim 128, bfloat16
+    assert (f"chosen (cp.plan_dispatch's cost model): the {a.method} layout, {a.transport} transport, predicted "
+            f"{a.predicted_ms:.3g} ms a step") in out
+    picked = [line.split() for line in out.splitlines() if line.endswith("<- chosen")]
+    assert len(picked) == 1 and picked[0][:3] == [a.method, a.transport, f"{a.predicted_ms:.3g}"]
+    rows = [line.split() for line in out.splitlines() if line.split()[1:2] in (["p2p"], ["allgather"], ["ring"])]
+    assert [r[:2] for r in rows] == [[c.method, c.transport] for c in a.candidates] and len(rows) == 6
+    assert "why: " + a.why[:40] in " ".join(out.split())
     # without --mask the report is what it was: no mask member, no masked table
     code, out, _ = _run(capsys, _argv(8, 1, 8, 1, None, "--video-shape", "1,16,21,60,104", "--heads", "12", "--json"))
     assert code == 0 and "mask" not in json.loads(out)["cp_plan"]

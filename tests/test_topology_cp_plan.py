@@ -142,8 +142,8 @@ def test_masked_plans_and_bytes():
     the bytes are worked out by hand (Ulysses share + K/V of the ring blocks a rank's queries may see)."""
     shape, d = (1, 16, 21, 60, 104), 64
     mask = ps.AttentionMask.chunk_causal(3 * 1560)
-    plan = plan_context_parallel(shape, 8, 12, mask=mask)
-    assert plan.mask == mask and plan.balanced == ps.plan_dispatch(mask, 32760, 8)
+    plan = plan_context_parallel(shape, 8, 12, mask=mask, head_dim=d)
+    assert plan.mask == mask and plan.balanced == ps.plan_dispatch(mask, 32760, 8, method="balanced")
     assert plan.contiguous == ps.plan_dispatch(mask, 32760, 8, method="contiguous")
     assert plan.dispatch_plan() is plan.balanced and plan.dispatch_plan("contiguous") is plan.contiguous
     assert plan.balanced.balance <= 1.001 and plan.contiguous.balance == pytest.approx(1.75, abs=1e-3)
@@ -151,25 +151,45 @@ def test_masked_plans_and_bytes():
     assert "Mask chunk_causal:4680" in text and f"{plan.balanced.balance:.4f}x" in text and "1.7500x" in text
     ulysses = 4095 * (2 * 12 + 2 * 12) * d * 3 // 4
     ring = 2 * 16380 * (12 // 4) * d  # the other ring block's K and V, 3 heads per Ulysses rank
-    # chunk 3 straddles the two ring blocks, so both blocks see the other's keys under either plan
-    assert plan.masked_bytes_per_rank(2, d) == (2 * (ulysses + ring),) * 8
-    assert plan.masked_bytes_per_rank("bfloat16", d, method="contiguous") == (2 * (ulysses + ring),) * 8
+    # chunk 3 straddles the two ring blocks, so both blocks see the other's keys under either plan: the ring
+    # passes each whole block on; p2p sends only the keys seen (the contiguous split's block 0 sees 2,340 of 16,380)
+    assert plan.masked_bytes_per_rank(2, d, transport="ring") == (2 * (ulysses + ring),) * 8
+    assert plan.masked_bytes_per_rank("bfloat16", d, method="contiguous", transport="ring") == (
+        2 * (ulysses + ring),) * 8
+    assert plan.masked_bytes_per_rank("bfloat16", d, method="contiguous") == (
+        (2 * (ulysses + ring * 2340 // 16380),) * 4 + (2 * (ulysses + ring),) * 4)
     # token-causal, contiguous: ring block 0 (ranks 0-3) sees nothing of block 1; balanced: everyone sees both
     causal = plan_context_parallel(shape, 8, 12, mask=ps.AttentionMask.causal())
     assert causal.masked_bytes_per_rank(2, d, method="contiguous") == (2 * ulysses,) * 4 + (2 * (ulysses + ring),) * 4
-    assert causal.masked_bytes_per_rank(torch.bfloat16, d, batch=3) == (6 * (ulysses + ring),) * 8
-    # against the dense matrix on a small latent: 4 frames of 4 tokens, each frame sees only itself, cp 4 = 2 x 2
+    assert causal.masked_bytes_per_rank(torch.bfloat16, d, batch=3, transport="ring") == (6 * (ulysses + ring),) * 8
+    # against the dense matrix on a small latent: 4 frames of 4 tokens, each frame sees only itself, cp 4 = 2 x 2;
+    # p2p receives the keys its block's queries see, ring the whole blocks passed on, allgather every other token
     small = plan_context_parallel((1, 1, 4, 2, 2), 4, 2, patch_values=(1, 1, 1),
                                   mask=ps.AttentionMask.sliding_window(4, 1))
     dense = small.mask.dense(16)
-    for method in ("balanced", "contiguous"):
+    for method in ("balanced", "contiguous", "auto"):
         dp = small.dispatch_plan(method)
         blocks = [sum(dp.positions[2 * j:2 * j + 2], ()) for j in range(2)]
-        got = small.masked_bytes_per_rank(1, 1, method=method)
-        for c in range(4):
-            i = c // 2
-            need = [j for j in range(2) if j != i and bool(dense[list(blocks[i])][:, list(blocks[j])].any())]
-            assert got[c] == dp.sizes[c] * 8 * 1 // 2 + sum(2 * len(blocks[j]) * 1 for j in need), (method, c)
+        for transport in ("p2p", "ring", "allgather"):
+            got = small.masked_bytes_per_rank(1, 1, method=method, transport=transport)
+            for c in range(4):
+                i = c // 2
+                seen = dense[list(blocks[i])].any(0)
+                if transport == "p2p":
+                    recv = sum(int(seen[list(blocks[j])].sum()) for j in range(2) if j != i)
+                elif transport == "ring":
+                    recv = sum(len(blocks[j]) for j in range(2) if j != i and bool(seen[list(blocks[j])].any()))
+                else:
+                    recv = 16 - len(blocks[i])
+                assert got[c] == dp.sizes[c] * 8 * 1 // 2 + 2 * recv, (method, transport, c)
+        assert small.masked_bytes_per_rank(1, 1, method=method) == small.masked_bytes_per_rank(
+            1, 1, method=method, transport=dp.transport)
+    # the cost model's choice for this attention: 12 heads of 64 in bfloat16 as Ulysses 4 x ring 2
+    shape_cost = ps.AttentionShape(heads=12, head_dim=d, dtype="bfloat16")
+    assert plan.chosen == ps.plan_dispatch(mask, 32760, 8, shape=shape_cost, ulysses_size=4)
+    assert plan.dispatch_plan("auto") is plan.chosen and plan.chosen.predicted_ms <= plan.contiguous.predicted_ms
+    assert f"the {plan.chosen.method} layout with the {plan.chosen.transport} transport" in text
+    assert f"predicted {plan.chosen.predicted_ms:.3g} ms" in text and plan.chosen.why in text
     assert plan_context_parallel(shape, 8, 12).mask is None
 
 
@@ -184,10 +204,14 @@ def test_masked_plan_errors():
     with pytest.raises(ValueError, match="this plan has no attention mask"):
         plain.masked_bytes_per_rank(2, 64)
     masked = plan_context_parallel(shape, 8, 12, mask=ps.AttentionMask.causal())
-    with pytest.raises(ValueError, match="method='zigzag' is not 'balanced' or 'contiguous'"):
+    with pytest.raises(ValueError, match="method='zigzag' is not 'auto', 'balanced' or 'contiguous'"):
         masked.dispatch_plan("zigzag")
     with pytest.raises(ValueError, match="head_dim and batch must be >= 1"):
         masked.masked_bytes_per_rank(2, 0)
+    with pytest.raises(ValueError, match="AttentionShape: head_dim must be >= 1, got 0"):
+        plan_context_parallel(shape, 8, 12, mask=ps.AttentionMask.causal(), head_dim=0)
+    with pytest.raises(TypeError, match="rates must be a CostRates"):
+        plan_context_parallel(shape, 8, 12, mask=ps.AttentionMask.causal(), rates={"bytes_per_ms": 1})
 
 
 def test_planner_module_is_pure():

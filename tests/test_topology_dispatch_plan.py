@@ -1,7 +1,9 @@
 """plan_dispatch / DispatchPlan: positions are a permutation in ascending runs, token counts are the contiguous
-split's, work is the count of dense pairs per rank, the balance figure is max / mean of it, the balanced plan is
-never busier than the contiguous split nor than the fixed zigzag, and on real video token counts it is within 1.05
-of the mean; plus determinism, the helpers (index, owner, pairs) and the errors."""
+split's (the clip plan's follow its clips), work is the count of dense pairs per rank, the balance figure is max /
+mean of it, the balanced plan is never busier than the contiguous split nor than the fixed zigzag, and on real video
+token counts it is within 1.05 of the mean; the cost model priced by hand, each candidate (contiguous, balanced,
+clips, allgather) winning where it should, the choice never predicted slower than the contiguous split; plus
+determinism, the transport in the value, the helpers (index, owner, pairs) and the errors."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ def check_plan(plan, mask, length, cp_size, method):
     assert (plan.mask, plan.length, plan.cp_size, plan.method) == (mask, length, cp_size, method)
     flat = [p for rank in plan.positions for p in rank]
     assert sorted(flat) == list(range(length))  # a permutation
-    assert plan.sizes == ps.shard_sizes(length, cp_size) == tuple(len(r) for r in plan.positions)
+    assert plan.sizes == tuple(len(r) for r in plan.positions)
+    assert method == "clips" or plan.sizes == ps.shard_sizes(length, cp_size)
     dense = mask.dense(length)
     for r in range(cp_size):
         pos = list(plan.positions[r])
@@ -57,11 +60,13 @@ def test_plans_against_dense_counting():
                 cuts = torch.arange(length).tensor_split(cp_size)
                 assert contiguous.positions == tuple(tuple(c.tolist()) for c in cuts)  # tensor_split's layout
                 assert contiguous.is_contiguous
-                balanced = plan_dispatch(mask, length, cp_size)
+                balanced = plan_dispatch(mask, length, cp_size, method="balanced")
                 check_plan(balanced, mask, length, cp_size, "balanced")
                 assert max(balanced.work) <= max(contiguous.work), (mask, length, cp_size)
                 if mask in (Mask.causal(), Mask.chunk_causal(3)) and cp_size > 1 and length >= 4 * cp_size:
                     assert max(balanced.work) < max(contiguous.work), (mask, length, cp_size)
+                if mask.kind == "packed" and cp_size > 1:
+                    check_plan(plan_dispatch(mask, length, cp_size, method="clips"), mask, length, cp_size, "clips")
 
 
 def zigzag_work(mask, length, cp_size):
@@ -74,7 +79,7 @@ def zigzag_work(mask, length, cp_size):
 def test_balanced_is_at_least_as_even_as_the_fixed_zigzag():
     for mask in (Mask.causal(), Mask.chunk_causal(3), Mask.chunk_causal(5), Mask.sliding_window(2, 3)):
         for length, cp_size in ((48, 2), (48, 3), (48, 4), (60, 5), (64, 8)):
-            plan = plan_dispatch(mask, length, cp_size)
+            plan = plan_dispatch(mask, length, cp_size, method="balanced")
             assert max(plan.work) <= max(zigzag_work(mask, length, cp_size)), (mask, length, cp_size)
             if mask == Mask.causal():
                 assert max(len(r) for r in plan.runs) <= 2
@@ -94,7 +99,7 @@ def test_video_token_counts_balance_within_five_percent():
     for mask in VIDEO:
         total = mask.work(length)
         for cp_size in (2, 4, 8, 16):
-            plan = plan_dispatch(mask, length, cp_size)
+            plan = plan_dispatch(mask, length, cp_size, method="balanced")
             assert sum(plan.work) == total and plan.sizes == ps.shard_sizes(length, cp_size)
             assert plan.balance <= 1.05, (mask, cp_size, plan.balance)
             assert max(len(r) for r in plan.runs) <= (2 if mask.kind != "packed" else 6), (mask, plan.runs)
@@ -104,14 +109,14 @@ def test_video_token_counts_balance_within_five_percent():
 
 def test_deterministic_cached_and_a_value():
     mask = Mask.packed([9, 14, 7], 3)
-    a = plan_dispatch(mask, 30, 4)
-    assert plan_dispatch(mask, 30, 4) is a  # cached
+    a = plan_dispatch(mask, 30, 4, method="balanced")
+    assert plan_dispatch(mask, 30, 4, method="balanced") is a  # cached
     ps.topology.dispatch_plan._plan.cache_clear()
-    b = plan_dispatch(Mask.packed((9, 14, 7), 3), 30, 4)
+    b = plan_dispatch(Mask.packed((9, 14, 7), 3), 30, 4, method="balanced")
     assert b is not a and b == a and hash(b) == hash(a) and b.positions == a.positions
     assert plan_dispatch(mask, 30, 4, method="contiguous") != a
     assert cp.plan_dispatch is plan_dispatch and cp.DispatchPlan is ps.DispatchPlan
-    assert "balanced plan of 30 tokens" in a.describe()
+    assert "balanced plan of 30 tokens" in a.describe() and "p2p transport" in a.describe()
 
 
 @pytest.mark.parametrize("args, kwargs, exc, fragment", [
@@ -123,6 +128,11 @@ def test_deterministic_cached_and_a_value():
     ((Mask.causal(), 0, 1), {}, ValueError, "length must be >= 1"),
     ((Mask.packed([3, 4]), 8, 2), {}, ValueError, "segments add up to 7 tokens but the sequence has 8"),
     ((Mask.causal(), 8, 2), {"method": "zigzag"}, ValueError, "method='zigzag' is not one of"),
+    ((Mask.causal(), 8, 2), {"transport": "nccl"}, ValueError, "transport='nccl' is not one of"),
+    ((Mask.causal(), 8, 2), {"method": "clips"}, ValueError, "method='clips' keeps packed clips whole, but the mask"),
+    ((Mask.causal(), 8, 2), {"rates": (1e9, 1e6)}, TypeError, "rates must be a CostRates"),
+    ((Mask.causal(), 8, 2), {"shape": 8}, TypeError, "shape must be an AttentionShape"),
+    ((Mask.causal(), 8, 4), {"ulysses_size": 3}, ValueError, "ulysses_size=3 must be >= 1 and divide cp_size=4"),
 ])
 def test_bad_arguments(args, kwargs, exc, fragment):
     with pytest.raises(exc, match=fragment) as info:
@@ -140,7 +150,7 @@ def test_bad_rank():
 
 def test_hand_built_plans_are_checked():
     mask = Mask.causal()
-    good = plan_dispatch(mask, 8, 2)
+    good = plan_dispatch(mask, 8, 2, method="balanced")
     assert ps.DispatchPlan(mask, 8, 2, "balanced", good.runs, good.work) == good
     for runs, fragment in ((((0, 4),), "needs that many runs"), ((((0, 4),), ((3, 8),)), "cover every token"),
                            ((((0, 4),), ((5, 8),)), "cover every token"), ((((0, 2), (2, 4)), ((4, 8),)), "separate"),
@@ -151,3 +161,124 @@ def test_hand_built_plans_are_checked():
         ps.DispatchPlan(mask, 8, 2, "zigzag", good.runs, good.work)
     with pytest.raises(ps.ParallelStateTypeError, match="mask must be an AttentionMask"):
         ps.DispatchPlan("causal", 8, 2, "balanced", good.runs, good.work)
+
+
+# ---------------------------------------------------------------- the cost model and the choice
+
+GPU = ps.CostRates()  # the defaults: a GPU node
+CPU_SHARED = ps.CostRates(flops_per_ms=2e7, bytes_per_ms=5e5, latency_ms=0.05, overlap=0.0, parallel=2)
+SHAPE = ps.AttentionShape(heads=8, head_dim=16, dtype="float32")
+
+
+def by(plan, method, transport="p2p"):
+    return next(c for c in plan.candidates if (c.method, c.transport) == (method, transport))
+
+
+def test_the_model_priced_by_hand():
+    """Contiguous causal over 2 ranks, p2p: rank 1 computes 3/4 of the pairs and receives rank 0's whole half."""
+    rates = ps.CostRates(flops_per_ms=1e6, bytes_per_ms=1e4, latency_ms=0.5, overlap=0.25)
+    shape = ps.AttentionShape(heads=2, head_dim=4, kv_heads=1, dtype="float16", batch=3, backward=False)
+    plan = plan_dispatch(Mask.causal(), 8, 2, method="contiguous", rates=rates, shape=shape)
+    assert plan.work == (10, 26)
+    compute = 3 * 2 * 26 * 4 * 4 / 1e6                 # batch * heads * pairs * 4 * head_dim FLOPs
+    xfer = 4 * (2 * 1 * 4 * 2 * 3) / 1e4               # 4 tokens of K and V (1 head of 4, 2 bytes, batch 3)
+    want = 0.5 + compute + xfer - 0.25 * min(compute, xfer)
+    assert plan.predicted_ms == pytest.approx(want, rel=1e-12)
+    assert plan.candidates == (by(plan, "contiguous"),) and "as asked" in plan.why
+    # allgather: one collective, every other token, no overlap; with backward 3 passes and 14 D FLOPs a pair
+    gather = plan_dispatch(Mask.causal(), 8, 2, method="contiguous", transport="allgather", rates=rates, shape=shape)
+    assert gather.predicted_ms == pytest.approx(0.5 + compute + xfer, rel=1e-12)
+    train = ps.AttentionShape(heads=2, head_dim=4, kv_heads=1, dtype="float16", batch=3)
+    ring = plan_dispatch(Mask.causal(), 8, 2, method="contiguous", transport="ring", rates=rates, shape=train)
+    c3, x3 = compute * 14 / 4, 3 * xfer
+    assert ring.predicted_ms == pytest.approx(3 * 0.5 + c3 + x3 - 0.25 * min(c3, x3), rel=1e-12)
+    # four ranks that share two cores: the compute stretches to the whole work over two
+    shared = ps.CostRates(flops_per_ms=1e6, bytes_per_ms=1e4, latency_ms=0.0, overlap=1.0, parallel=2)
+    four = plan_dispatch(Mask.full(), 8, 4, method="contiguous", rates=shared, shape=shape)
+    assert four.predicted_ms == pytest.approx(max(4 * 3 * 2 * 16 * 16 / 1e6 / 2, 6 * 48 / 1e4), rel=1e-12)
+
+
+def test_each_candidate_wins_where_it_should():
+    length = 21 * 96
+    chunks, clips = Mask.chunk_causal(3 * 96), Mask.packed([9 * 96, 5 * 96, 7 * 96])
+    # a GPU node, a long causal sequence: the balanced plan halves the busiest rank's work
+    zig = plan_dispatch(Mask.chunk_causal(3 * FRAME), 21 * FRAME, 8)
+    assert (zig.method, zig.transport) == ("balanced", "p2p") and zig.balance <= 1.05
+    assert zig.predicted_ms < by(zig, "contiguous").predicted_ms / 1.5 and "the fastest" in zig.why
+    # ranks sharing cores and copying bytes themselves: balancing buys nothing, bytes cost: contiguous
+    cont = plan_dispatch(chunks, length, 4, rates=CPU_SHARED, shape=SHAPE)
+    assert cont.method == "contiguous" and cont.is_contiguous
+    assert by(cont, "balanced").predicted_ms > cont.predicted_ms
+    # packed clips on two ranks that each have a core: whole clips on one rank, no bytes at all
+    packed = plan_dispatch(clips, length, 2, rates=ps.CostRates(2e7, 5e5, 0.05, overlap=0.0), shape=SHAPE)
+    assert packed.method == "clips" and packed.balance <= 1.05 and packed.transport in ("p2p", "ring")
+    assert by(packed, "clips").recv_tokens == 0 < by(packed, "balanced").recv_tokens
+    assert sorted(map(len, packed.positions)) == [9 * 96, 12 * 96]  # the 9-frame clip, and the 5 + 7
+    # a short sequence over 8 ranks, where a message costs more than its bytes: one all-gather, not 7 messages
+    small = plan_dispatch(Mask.chunk_causal(16), 512, 8, rates=ps.CostRates(latency_ms=0.05), shape=SHAPE)
+    assert small.transport == "allgather" and small.predicted_ms < by(small, "contiguous").predicted_ms
+
+
+RATES = [GPU, CPU_SHARED, ps.CostRates(1e8, 1e9, 0.0), ps.CostRates(1e12, 1e5, 0.1, overlap=0.5, parallel=1)]
+
+
+def test_never_predicted_slower_than_the_contiguous_split():
+    """Over masks, lengths, cp and Ulysses sizes and rates: the choice is a valid plan, no slower than the fastest
+    contiguous candidate, within MARGIN of the fastest, and its balanced layouts within 1.05 where the mask allows."""
+    masks = [Mask.full(), Mask.causal(), Mask.chunk_causal(96), Mask.sliding_window(48, 3),
+             Mask.packed([700, 300, 1016]), Mask.packed([96] * 21, 48), Mask.packed([1500, 200, 316], 1)]
+    for mask in masks:
+        for cp_size, u in ((2, 1), (3, 1), (4, 1), (4, 2), (8, 2), (8, 1), (16, 4)):
+            for rates in RATES:
+                plan = plan_dispatch(mask, 2016, cp_size, rates=rates, shape=SHAPE, ulysses_size=u)
+                flat = sorted(p for rank in plan.positions for p in rank)
+                assert flat == list(range(2016)) and sum(plan.work) == mask.work(2016)
+                fastest = min(c.predicted_ms for c in plan.candidates)
+                contiguous = min(c.predicted_ms for c in plan.candidates if c.method == "contiguous")
+                assert plan.predicted_ms <= contiguous and plan.predicted_ms <= fastest * (1 + ps.topology.
+                                                                                            dispatch_plan.MARGIN)
+                assert (plan.method, plan.transport) in {(c.method, c.transport) for c in plan.candidates}
+                for c in plan.candidates:
+                    if c.method != "contiguous" and mask.kind != "full" and cp_size <= 8:
+                        assert c.balance <= 1.05, (mask, cp_size, c)
+
+
+def test_transport_is_part_of_the_plan():
+    mask = Mask.chunk_causal(4)
+    p2p = plan_dispatch(mask, 32, 4, method="balanced")
+    ring = plan_dispatch(mask, 32, 4, method="balanced", transport="ring")
+    assert p2p.transport == "p2p" and ring.transport == "ring" and p2p.runs == ring.runs
+    assert p2p != ring and p2p.fingerprint() != ring.fingerprint() and "ring transport" in ring.describe()
+    slow = plan_dispatch(mask, 32, 4, method="balanced", rates=ps.CostRates(1e3, 1e3))
+    assert slow == p2p and slow.predicted_ms > p2p.predicted_ms  # the prices are not part of the value
+    assert ps.DispatchPlan(mask, 32, 4, "balanced", p2p.runs, p2p.work).transport == "p2p"
+    with pytest.raises(ps.ParallelStateValueError, match="transport='tcp' is not one of"):
+        ps.DispatchPlan(mask, 32, 4, "balanced", p2p.runs, p2p.work, "tcp")
+    only = plan_dispatch(mask, 32, 4, transport="allgather")
+    assert only.transport == "allgather" and {c.transport for c in only.candidates} == {"allgather"}
+
+
+@pytest.mark.parametrize("kwargs, exc, fragment", [
+    ({"flops_per_ms": 0}, ValueError, "flops_per_ms=0.0 must be finite and > 0"),
+    ({"bytes_per_ms": -1.0}, ValueError, "bytes_per_ms=-1.0 must be finite and > 0"),
+    ({"bytes_per_ms": float("nan")}, ValueError, "bytes_per_ms=nan must be finite"),
+    ({"latency_ms": float("inf")}, ValueError, "latency_ms=inf must be finite and >= 0"),
+    ({"overlap": 1.5}, ValueError, "overlap=1.5 must be finite and >= 0 and <= 1"),
+    ({"parallel": 0}, ValueError, "parallel (ranks computing at once)=0.0 must be finite and > 0"),
+    ({"flops_per_ms": "fast"}, TypeError, "flops_per_ms must be a number, got str"),
+    ({"latency_ms": True}, TypeError, "latency_ms must be a number, got bool"),
+])
+def test_bad_rates(kwargs, exc, fragment):
+    with pytest.raises(exc, match=fragment.replace("(", r"\(").replace(")", r"\)")) as info:
+        ps.CostRates(**kwargs)
+    assert isinstance(info.value, ps.ParallelStateError)
+
+
+def test_bad_shapes():
+    for kwargs, fragment in (({"heads": 0}, "heads must be >= 1"), ({"heads": 6, "kv_heads": 4}, "kv_heads=4 must"),
+                             ({"dtype": "int4"}, "unknown dtype name 'int4'"),
+                             ({"head_dim": 2.5}, "head_dim must be an int"),
+                             ({"backward": 1}, "backward must be a bool")):
+        with pytest.raises(ps.ParallelStateError, match=fragment):
+            ps.AttentionShape(**kwargs)
+    assert ps.AttentionShape(heads=8, kv_heads=2, dtype=4).itemsize == 4

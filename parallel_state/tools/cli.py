@@ -6,7 +6,8 @@ lifecycle on local CPU ranks (see ``parallel_state.tools.demo``).
 
 With ``--heads`` (and ``--kv-heads``) ``plan`` also prints the context-parallel plan of the latent
 (``plan_context_parallel``: Ulysses x ring sizes, tokens per rank, uneven or not); with ``--mask``
-also each rank's attention work and K/V bytes under the balanced plan and the contiguous split.
+also each rank's attention work and K/V bytes under the balanced plan and the contiguous split, and
+the plan the cost model chooses (layout, transport, predicted step time, why, every candidate).
 
 Exit codes: 0 success; 1 a check failed (``plan``: the latent cannot be split with this cp size and
 no ``--heads`` plan covers it with an uneven split; ``demo``: a rank's check failed); 2 invalid
@@ -16,6 +17,7 @@ input. Every error is one line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import textwrap
@@ -35,6 +37,7 @@ from parallel_state.tools.plan_report import (  # noqa: F401  (re-exported: the 
     split_report,
 )
 from parallel_state.topology.cp_plan import ContextParallelPlan, plan_context_parallel
+from parallel_state.topology.dispatch_cost import CostRates
 from parallel_state.topology.plan import DEFAULT_ORDER, TopologyPlan
 
 PROG = "python -m parallel_state"
@@ -97,13 +100,16 @@ def cp_plan_dict(cp_plan: ContextParallelPlan, dtype: str = "bfloat16", head_dim
     if cp_plan.mask is not None:
         out["mask"] = {"spec": str(cp_plan.mask), "description": cp_plan.mask.describe(), "dtype": dtype,
                        "head_dim": head_dim}
-        for method in ("balanced", "contiguous"):
+        for method in ("balanced", "contiguous", "auto"):
             plan = cp_plan.dispatch_plan(method)
-            out["mask"][method] = {
+            out["mask"]["chosen" if method == "auto" else method] = {
+                "method": plan.method, "transport": plan.transport, "predicted_ms": plan.predicted_ms,
                 "work": list(plan.work), "balance": plan.balance,
                 "runs": [[list(run) for run in runs] for runs in plan.runs],
                 "bytes": list(cp_plan.masked_bytes_per_rank(dtype, head_dim, method=method)),
             }
+        out["mask"]["chosen"]["why"] = cp_plan.dispatch_plan("auto").why
+        out["mask"]["candidates"] = [dataclasses.asdict(c) for c in cp_plan.dispatch_plan("auto").candidates]
     return out
 
 
@@ -138,8 +144,22 @@ def format_masked(cp_plan: ContextParallelPlan, dtype: str = "bfloat16", head_di
     lines += textwrap.wrap(
         f"work: allowed (query, key) pairs of the rank's queries; runs: contiguous runs of tokens the balanced "
         f"plan gives the rank; recv MiB: what the rank receives per forward call in {dtype} with head dim "
-        f"{head_dim} (its Ulysses all-to-all share and the K/V of every ring block its queries may see). The step "
-        f"waits for the busiest rank: {b.balance:.4f}x the mean work balanced, {c.balance:.4f}x contiguous.",
+        f"{head_dim} (its Ulysses all-to-all share and, sent point to point, the K/V its ring block's queries may "
+        f"see). The step waits for the busiest rank: {b.balance:.4f}x the mean work balanced, {c.balance:.4f}x "
+        f"contiguous.", 100, initial_indent="  ", subsequent_indent="  ", break_long_words=False,
+        break_on_hyphens=False)
+    a = cp_plan.dispatch_plan("auto")
+    lines += ["", f"  chosen (cp.plan_dispatch's cost model): the {a.method} layout, {a.transport} transport, "
+                  f"predicted {a.predicted_ms:.3g} ms a step"]
+    lines += _table(("layout", "transport", "predicted ms", "compute ms", "comm ms", "work max/mean",
+                     "recv tokens", ""),
+                    [[x.method, x.transport, f"{x.predicted_ms:.3g}", f"{x.compute_ms:.3g}", f"{x.comm_ms:.3g}",
+                      f"{x.balance:.4f}", x.recv_tokens, "<- chosen" if (x.method, x.transport) == (a.method, a.transport)
+                      else ""] for x in a.candidates])
+    lines += textwrap.wrap(
+        f"why: {a.why}. Priced for {cp_plan.num_heads} heads ({cp_plan.num_kv_heads} K/V) of {head_dim} in {dtype}, "
+        f"forward and backward, as {cp_plan.ulysses_size} x {cp_plan.ring_size} (Ulysses x ring), with a GPU "
+        f"node's rates (CostRates(): {CostRates().describe()}); cp.measure_rates(group) measures a group's.",
         100, initial_indent="  ", subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
     return "\n".join(lines)
 
@@ -241,7 +261,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                     frame = cp_plan.token_grid[1] * cp_plan.token_grid[2]
                     cp_plan = plan_context_parallel(shape, plan.cp, args.heads, patch_values=patch,
                                                     num_kv_heads=args.kv_heads, view_factor=view_factor,
-                                                    mask=parse_mask("--mask", args.mask, frame))
+                                                    mask=parse_mask("--mask", args.mask, frame), head_dim=head_dim,
+                                                    dtype=dtype)
             except (ValueError, TypeError) as exc:
                 raise CliError(str(exc)) from None
     if args.svg:

@@ -6,8 +6,10 @@ attention traffic per rank. ``shard_sizes``, the uneven-shard rule every cp help
 (``cp.shard_sizes`` is this function), lives in ``shards`` and is re-exported here.
 
 With an attention mask (``mask=``, an ``AttentionMask`` over one view's tokens) the plan also holds
-the balanced ``DispatchPlan`` and the contiguous split of those tokens, so each rank's attention
-work and the K/V bytes it must receive can be compared before any process starts.
+the ``DispatchPlan`` that ``plan_dispatch``'s cost model chooses for this attention (its heads, the
+Ulysses x ring factorisation, ``head_dim``, ``dtype`` and ``rates``), the balanced plan and the
+contiguous split of those tokens, so each rank's attention work, the K/V bytes it must receive and
+the predicted step time can be compared before any process starts.
 
 How the heads decide the factorisation: Ulysses over ``u`` ranks needs q's heads divisible by ``u``,
 so ``ulysses_size`` is the largest divisor of the cp size that divides the heads, and the ring takes
@@ -23,27 +25,11 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from parallel_state.topology.attention_mask import AttentionMask
+from parallel_state.topology.dispatch_cost import AttentionShape, CostRates, received
+from parallel_state.topology.dispatch_cost import itemsize as _itemsize
 from parallel_state.topology.dispatch_plan import DispatchPlan, plan_dispatch
 from parallel_state.topology.shards import shard_sizes
 from parallel_state.topology.split import Latent, _int, check_latent, grid_split
-
-#: Bytes per element of the dtypes a plan is usually sized for, by name (a torch.dtype works too).
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
-
-
-def _itemsize(what: str, dtype: Any) -> int:
-    """Bytes per element of ``dtype``: a torch.dtype, its name ("bfloat16") or the size in bytes."""
-    if isinstance(dtype, int) and not isinstance(dtype, bool):
-        return dtype
-    if isinstance(dtype, str):
-        if dtype not in _ITEMSIZE:
-            raise ValueError(f"{what}: unknown dtype name {dtype!r}; use one of {sorted(_ITEMSIZE)}, "
-                             f"a torch.dtype or the element size in bytes")
-        return _ITEMSIZE[dtype]
-    if isinstance(getattr(dtype, "itemsize", None), int):
-        return dtype.itemsize
-    raise TypeError(f"{what}: dtype must be a torch.dtype, a dtype name or an int byte size, "
-                    f"got {type(dtype).__name__} {dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -68,10 +54,12 @@ class ContextParallelPlan:
     find_split: tuple[int, int, int] | None
     cp_size_t: int | None
     #: The attention mask over one view's tokens (None: no mask given), and the plans of those tokens:
-    #: ``balanced`` (plan_dispatch's default) and ``contiguous`` (the tensor_split layout).
+    #: ``chosen`` (plan_dispatch's cost-model choice, method="auto"), ``balanced`` (even work) and
+    #: ``contiguous`` (the tensor_split layout).
     mask: AttentionMask | None = None
     balanced: DispatchPlan | None = None
     contiguous: DispatchPlan | None = None
+    chosen: DispatchPlan | None = None
 
     @property
     def hierarchical_context_parallel_sizes(self) -> list[int]:
@@ -112,24 +100,27 @@ class ContextParallelPlan:
         return (ulysses + ring) * batch * size
 
     def dispatch_plan(self, method: str = "balanced") -> DispatchPlan:
-        """The ``balanced`` or ``contiguous`` DispatchPlan of one view's tokens under ``mask``; ValueError without a mask."""
-        plan = {"balanced": self.balanced, "contiguous": self.contiguous}.get(method, False)
+        """The ``auto`` (the cost model's choice), ``balanced`` or ``contiguous`` DispatchPlan of one view's tokens
+        under ``mask``; ValueError without a mask."""
+        plan = {"auto": self.chosen, "balanced": self.balanced, "contiguous": self.contiguous}.get(method, False)
         if plan is False:
-            raise ValueError(f"dispatch_plan: method={method!r} is not 'balanced' or 'contiguous'")
+            raise ValueError(f"dispatch_plan: method={method!r} is not 'auto', 'balanced' or 'contiguous'")
         if plan is None:
             raise ValueError("this plan has no attention mask: call plan_context_parallel(..., mask=AttentionMask...) "
                              "to plan the work and bytes of a masked attention")
         return plan
 
     def masked_bytes_per_rank(self, dtype: Any, head_dim: int, batch: int = 1, *,
-                              method: str = "balanced") -> tuple[int, ...]:
+                              method: str = "balanced", transport: str | None = None) -> tuple[int, ...]:
         """Bytes each cp rank receives per masked attention call (forward) under the ``method`` plan, in rank order.
 
         Its Ulysses all-to-all share, ``s_c * (2H + 2K) * head_dim * (u - 1) / u`` for its own ``s_c``
-        tokens, plus the K and V (``K / u`` heads each) of every other ring block that a query of its
-        ring block may see: a block no query may see is neither sent nor computed by a mask-aware ring.
-        Ring block j is cp ranks ``j*u .. j*u+u-1`` (cp rank = ring rank * u + Ulysses rank). Times
-        ``batch * e``; ``dtype`` as in bytes_per_rank. ValueError when the plan has no mask.
+        tokens, plus the K and V (``K / u`` heads each) its ring block receives under ``transport``
+        (default: the plan's; see ``dispatch_cost``): with "p2p" the tokens of other ring blocks that a
+        query of its block may see, with "ring" the whole blocks passed on to it, with "allgather"
+        every other token. Ring block j is cp ranks ``j*u .. j*u+u-1`` (cp rank = ring rank * u +
+        Ulysses rank). Times ``batch * e``; ``dtype`` as in bytes_per_rank. ValueError when the plan has
+        no mask.
         """
         plan = self.dispatch_plan(method)
         size = _itemsize("masked_bytes_per_rank", dtype)
@@ -139,16 +130,10 @@ class ContextParallelPlan:
             raise ValueError(f"masked_bytes_per_rank: element size, head_dim and batch must be >= 1, got {size}, "
                              f"{head_dim}, {batch}")
         u, r, heads, kv = self.ulysses_size, self.ring_size, self.num_heads, self.kv_heads_sent
-        pairs = plan.pairs()
-        block = [sum(plan.sizes[j * u:(j + 1) * u]) for j in range(r)]
-        sees = [[any(pairs[a][b] for a in range(i * u, (i + 1) * u) for b in range(j * u, (j + 1) * u))
-                 for j in range(r)] for i in range(r)]
-        out = []
-        for c, s in enumerate(plan.sizes):
-            i = c // u
-            ring = sum(2 * block[j] * (kv // u) * head_dim for j in range(r) if j != i and sees[i][j])
-            out.append((s * (2 * heads + 2 * kv) * head_dim * (u - 1) // u + ring) * batch * size)
-        return tuple(out)
+        blocks = [[run for c in range(j * u, (j + 1) * u) for run in plan.runs[c]] for j in range(r)]
+        recv, _ = received(plan.mask, plan.length, blocks, transport or plan.transport)
+        return tuple((s * (2 * heads + 2 * kv) * head_dim * (u - 1) // u + 2 * recv[c // u] * (kv // u) * head_dim)
+                     * batch * size for c, s in enumerate(plan.sizes))
 
     def describe(self) -> str:
         """One paragraph: the layout, the factorisation, the tokens per rank and how to set it up."""
@@ -178,13 +163,16 @@ class ContextParallelPlan:
         if self.uneven:
             layout += f" (pass length={self.tokens} to the attention and the gather)"
         masked = ""
-        if self.balanced is not None and self.contiguous is not None and self.mask is not None:
-            b, c = self.balanced, self.contiguous
+        if self.balanced is not None and self.contiguous is not None and self.chosen is not None and \
+                self.mask is not None:
+            b, c, a = self.balanced, self.contiguous, self.chosen
             runs = max(len(x) for x in b.runs)
             masked = (f" Mask {self.mask} ({self.mask.describe()}): the balanced plan (cp.plan_dispatch) gives the "
                       f"busiest rank {b.balance:.4f}x the mean attention work, in at most {runs} "
-                      f"run{'s' * (runs != 1)} of tokens per rank, where the contiguous split gives {c.balance:.4f}x; "
-                      f"move tokens with cp.dispatch and pass plan= to the attention.")
+                      f"run{'s' * (runs != 1)} of tokens per rank, where the contiguous split gives {c.balance:.4f}x. "
+                      f"Chosen by the cost model: the {a.method} layout with the {a.transport} transport, predicted "
+                      f"{a.predicted_ms:.3g} ms a step: {a.why}; move tokens with cp.dispatch and pass plan= to the "
+                      f"attention.")
         return (f"Latent {list(self.shape)} with patch {list(self.patch_values)} and view factor {self.view_factor} "
                 f"is a {t} x {h} x {w} grid of {self.tokens} tokens; {self.num_heads} heads{kv} at cp {self.cp_size}: "
                 f"{method}, hierarchical_context_parallel_sizes={self.hierarchical_context_parallel_sizes}; "
@@ -193,7 +181,8 @@ class ContextParallelPlan:
 
 def plan_context_parallel(shape: Sequence[int], cp_size: int, num_heads: int, *,
                           patch_values: Sequence[int] = (1, 2, 2), num_kv_heads: int | None = None,
-                          view_factor: int = 1, mask: AttentionMask | None = None) -> ContextParallelPlan:
+                          view_factor: int = 1, mask: AttentionMask | None = None, head_dim: int = 128,
+                          dtype: Any = "bfloat16", rates: CostRates | None = None) -> ContextParallelPlan:
     """Plan context parallelism for a [B, C, T, H, W] latent and an attention with ``num_heads`` heads.
 
     Works for every ``cp_size >= 1`` and every latent with at least ``cp_size`` tokens per view (T, H
@@ -203,7 +192,10 @@ def plan_context_parallel(shape: Sequence[int], cp_size: int, num_heads: int, *,
     when the grid splits evenly, computed without recording ``cp_size_t``. ``mask``: an
     ``AttentionMask`` over one view's ``tokens`` (a packed mask's segments must sum to them; a frame is
     ``H // pH * W // pW`` tokens); the plan then holds the balanced and contiguous ``DispatchPlan``s
-    (``work`` and ``balance`` per rank) and ``masked_bytes_per_rank``. ValueError / TypeError for bad
+    (``work`` and ``balance`` per rank), ``masked_bytes_per_rank`` and ``chosen``: ``plan_dispatch``'s
+    cost-model choice for this attention (``AttentionShape(num_heads, head_dim, num_kv_heads, dtype)``
+    run as ``ulysses_size`` x ``ring_size``, priced with ``rates``, default ``CostRates()``).
+    ``head_dim``, ``dtype`` and ``rates`` matter only with a mask. ValueError / TypeError for bad
     input, naming it.
     """
     what = "plan_context_parallel"
@@ -220,7 +212,8 @@ def plan_context_parallel(shape: Sequence[int], cp_size: int, num_heads: int, *,
     if tokens < cp_size:
         raise ValueError(f"{what}: the latent has {tokens} tokens per view ({grid[0]} x {grid[1]} x {grid[2]}), "
                          f"fewer than cp_size={cp_size}: every rank needs at least one; use cp_size <= {tokens}")
-    balanced = contiguous = None
+    balanced = contiguous = chosen = None
+    ulysses = max(d for d in range(1, cp_size + 1) if cp_size % d == 0 and num_heads % d == 0)
     if mask is not None:
         if not isinstance(mask, AttentionMask):
             raise TypeError(f"{what}: mask must be an AttentionMask (cp.Mask) or None, got {type(mask).__name__}")
@@ -229,9 +222,12 @@ def plan_context_parallel(shape: Sequence[int], cp_size: int, num_heads: int, *,
         except ValueError as exc:
             raise type(exc)(f"{what}: one view has {tokens} tokens ({grid[0]} frames of {grid[1] * grid[2]}): "
                             f"{exc}") from None
-        balanced = plan_dispatch(mask, tokens, cp_size)
-        contiguous = plan_dispatch(mask, tokens, cp_size, method="contiguous")
-    ulysses = max(d for d in range(1, cp_size + 1) if cp_size % d == 0 and num_heads % d == 0)
+        attention = AttentionShape(heads=num_heads, head_dim=_int("head_dim", head_dim, what), kv_heads=kv,
+                                   dtype=dtype)
+        priced = {"rates": rates, "shape": attention, "ulysses_size": ulysses}
+        balanced = plan_dispatch(mask, tokens, cp_size, method="balanced", **priced)
+        contiguous = plan_dispatch(mask, tokens, cp_size, method="contiguous", **priced)
+        chosen = plan_dispatch(mask, tokens, cp_size, **priced)
     factors = grid_split(latent, cp_size)
     split = None
     if factors is not None:
@@ -240,7 +236,8 @@ def plan_context_parallel(shape: Sequence[int], cp_size: int, num_heads: int, *,
         shape=latent.shape, cp_size=cp_size, num_heads=num_heads, num_kv_heads=kv, patch_values=latent.patch,
         view_factor=latent.view_factor, token_grid=grid, tokens=tokens, ulysses_size=ulysses,
         ring_size=cp_size // ulysses, tokens_per_rank=shard_sizes(tokens, cp_size), find_split=split,
-        cp_size_t=None if factors is None else factors[0], mask=mask, balanced=balanced, contiguous=contiguous)
+        cp_size_t=None if factors is None else factors[0], mask=mask, balanced=balanced, contiguous=contiguous,
+        chosen=chosen)
 
 
 def _token_grid(what: str, latent: Latent) -> tuple[int, int, int]:

@@ -23,6 +23,20 @@ zigzag (2 cp equal chunks, rank r taking r and 2cp-1-r) with its cut points move
 is even. The contiguous split is the other candidate; the plan with the smaller busiest rank wins
 (ties: the contiguous split, one run per rank). Work per position comes from the key intervals, so
 planning is O(length) tensor arithmetic plus O(cp_size) small searches; plans are cached.
+
+The default, ``method="auto"``, counts communication too: it prices candidate layouts under each
+transport (``TRANSPORTS``: how K/V reach the ranks that need them) with the cost model of
+``dispatch_cost`` and keeps the fastest. The candidates: the contiguous split (always), the balanced
+plan above, and for packed masks the clip plan: whole clips on one rank, packed by work (the
+heaviest clip first onto the least loaded rank, a rank taking at most ``1.25x`` the even share of
+tokens where it can), a clip too heavy for one rank split over as few ranks as it takes (by the
+balanced plan of the clip alone: zigzag for chunk-causal clips), until the work is within 1.05 of
+the mean or no clip can be split further. A clip on one rank needs no other rank's K/V, so the
+clip plan balances the work at a fraction of the balanced plan's bytes; its token counts follow
+the clips (``sizes``). The choice is the first candidate in the order (contiguous, clips, balanced;
+each with p2p, allgather, ring) predicted within ``MARGIN`` of the fastest and no slower than the
+fastest contiguous candidate: never predicted slower than the contiguous split, and a more complex
+plan only for a clear gain (the model is a model).
 """
 
 from __future__ import annotations
@@ -30,17 +44,27 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from parallel_state.errors import ParallelStateTypeError, ParallelStateValueError
 from parallel_state.topology.attention_mask import AttentionMask, as_int
+from parallel_state.topology.dispatch_cost import TRANSPORTS, AttentionShape, Candidate, CostRates, predict
 from parallel_state.topology.shards import shard_sizes
 
 if TYPE_CHECKING:
     import torch
 
-METHODS = ("balanced", "contiguous")
+#: The layouts a plan can hold; ``plan_dispatch`` also takes "auto" (the cost model's choice among them).
+METHODS = ("balanced", "contiguous", "clips")
+#: The order "auto" weighs them in, simplest traffic first (a clip kept whole sends nothing).
+ORDER = ("contiguous", "clips", "balanced")
+#: A later (more complex) candidate is chosen only when the earlier ones are predicted this much slower than the
+#: fastest: the model's error on measured CPU and GPU steps is of this order, and a wrong complex plan costs bytes.
+MARGIN = 0.10
+#: The clip plan keeps a rank within this many times the even share of tokens where the clips allow.
+TOKEN_SKEW = 1.25
 
 Runs = tuple[tuple[int, int], ...]
 
@@ -51,7 +75,10 @@ class DispatchPlan:
 
     ``runs[r]``: rank r's tokens as ascending, non-adjacent ``(start, stop)`` runs; rank r holds them
     in that order (``positions[r]``). ``work[r]``: the allowed (query, key) pairs of rank r's queries.
-    Equal by value, hashable, the same on every rank for the same arguments.
+    ``method``: the layout ("contiguous", "balanced" or "clips"); ``transport``: how the attention moves
+    K/V ("p2p", "allgather" or "ring", see ``dispatch_cost``). Equal by value (the layout and the
+    transport), hashable, the same on every rank for the same arguments. ``predicted_ms``,
+    ``candidates`` and ``why`` record how ``plan_dispatch`` priced and chose it (not compared).
     """
 
     mask: AttentionMask
@@ -60,6 +87,13 @@ class DispatchPlan:
     method: str
     runs: tuple[Runs, ...]
     work: tuple[int, ...]
+    transport: str = "p2p"
+    #: The cost model's step time of this plan, in ms (None for a plan built by hand).
+    predicted_ms: float | None = field(default=None, compare=False)
+    #: Every (layout, transport) weighed, in order, with its predicted time; the chosen one among them.
+    candidates: tuple[Candidate, ...] = field(default=(), compare=False)
+    #: One sentence: what was weighed and why this plan won.
+    why: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         # Cheap consistency checks (O(runs)), so a hand-built plan cannot send tokens twice or lose some.
@@ -68,6 +102,8 @@ class DispatchPlan:
             raise ParallelStateTypeError(f"{what}: mask must be an AttentionMask, got {type(self.mask).__name__}")
         if self.method not in METHODS:
             raise ParallelStateValueError(f"{what}: method={self.method!r} is not one of {METHODS}")
+        if self.transport not in TRANSPORTS:
+            raise ParallelStateValueError(f"{what}: transport={self.transport!r} is not one of {TRANSPORTS}")
         if not (len(self.runs) == len(self.work) == self.cp_size >= 1):
             raise ParallelStateValueError(f"{what}: cp_size={self.cp_size} needs that many runs and work entries, got "
                                           f"{len(self.runs)} and {len(self.work)}; build plans with plan_dispatch")
@@ -92,7 +128,7 @@ class DispatchPlan:
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        """Each rank's token count (``shard_sizes(length, cp_size)`` for both methods)."""
+        """Each rank's token count (``shard_sizes(length, cp_size)`` for the contiguous and balanced layouts)."""
         return tuple(sum(stop - start for start, stop in runs) for runs in self.runs)
 
     @property
@@ -147,15 +183,16 @@ class DispatchPlan:
     def fingerprint(self) -> int:
         """A 63-bit digest of the plan, the same in every process (``hash`` is salted per process): for checking
         that every rank of a group holds the same plan."""
-        text = repr((str(self.mask), self.length, self.cp_size, self.method, self.runs))
+        text = repr((str(self.mask), self.length, self.cp_size, self.method, self.runs, self.transport))
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
     def describe(self) -> str:
-        """One line: method, mask, balance and runs per rank."""
+        """One line: layout, transport, mask, balance, runs per rank and the predicted step time."""
         most = max(len(r) for r in self.runs)
-        return (f"{self.method} plan of {self.length} tokens ({self.mask.describe()}) over {self.cp_size} ranks: "
-                f"{min(self.sizes)}-{max(self.sizes)} tokens and at most {most} run{'s' * (most != 1)} per rank, "
-                f"work max/mean {self.balance:.4f}")
+        ms = "" if self.predicted_ms is None else f", predicted {self.predicted_ms:.3g} ms"
+        return (f"{self.method} plan of {self.length} tokens ({self.mask.describe()}) over {self.cp_size} ranks, "
+                f"{self.transport} transport: {min(self.sizes)}-{max(self.sizes)} tokens and at most {most} "
+                f"run{'s' * (most != 1)} per rank, work max/mean {self.balance:.4f}{ms}")
 
     def _rank(self, rank: Any) -> int:
         rank = as_int("DispatchPlan", "rank", rank)
@@ -165,50 +202,198 @@ class DispatchPlan:
         return rank
 
 
-def plan_dispatch(mask: AttentionMask, length: int, cp_size: int, *, method: str = "balanced") -> DispatchPlan:
-    """Assign the ``length`` tokens of a sequence under ``mask`` to ``cp_size`` ranks.
+def plan_dispatch(mask: AttentionMask, length: int, cp_size: int, *, method: str = "auto",
+                  transport: str | None = None, rates: CostRates | None = None, shape: AttentionShape | None = None,
+                  ulysses_size: int = 1) -> DispatchPlan:
+    """Assign the ``length`` tokens of a sequence under ``mask`` to ``cp_size`` ranks, and choose the transport.
 
-    ``method="balanced"`` (default): the same token counts as the contiguous split, work as even as
-    the mask allows, two contiguous runs per rank for causal kinds (see the module doc).
-    ``method="contiguous"``: rank r holds the r-th block of ``shard_sizes(length, cp_size)``, the
-    layout of ``cp.split_inputs_cp(..., uneven=True)``. Deterministic and cached. TypeError /
-    ValueError subclasses for a non-mask, a bad length (packed segments must sum to it), a cp size
-    below one or above the length, or an unknown method.
+    ``method="auto"`` (default): the candidate layouts and transports priced by the cost model
+    (``dispatch_cost``) with ``rates`` (default ``CostRates()``, a GPU node; ``cp.measure_rates(group)``
+    measures the group's) for the attention ``shape`` (default ``AttentionShape()``) run by
+    ``ulysses_size``-way Ulysses over ``cp_size // ulysses_size`` ring ranks (as ``usp_attention``; 1 for
+    ``ring_attention``); the fastest wins, never predicted slower than the contiguous split (module doc).
+    ``method="balanced"``: work as even as the mask allows with the contiguous split's token counts
+    (module doc); ``"contiguous"``: rank r holds the r-th block of ``shard_sizes(length, cp_size)``,
+    the layout of ``cp.split_inputs_cp(..., uneven=True)``; ``"clips"``: whole clips per rank (packed
+    masks). A named method takes ``transport`` as given (default "p2p"); under "auto" a given transport
+    limits the choice to it. ``plan.predicted_ms``, ``plan.candidates`` and ``plan.why`` say what was
+    weighed. Deterministic and cached. TypeError / ValueError subclasses for a non-mask, a bad length
+    (packed segments must sum to it), a cp size below one or above the length, an unknown method or
+    transport, rates or shape of the wrong type, a Ulysses size not dividing the cp size, or clips
+    asked of a mask that has none.
     """
+    what = "plan_dispatch"
     if not isinstance(mask, AttentionMask):
-        raise ParallelStateTypeError(f"plan_dispatch: mask must be an AttentionMask (cp.Mask), got "
+        raise ParallelStateTypeError(f"{what}: mask must be an AttentionMask (cp.Mask), got "
                                      f"{type(mask).__name__}; build one with AttentionMask.causal(), ...")
     length = mask.check_length(length)
-    cp_size = as_int("plan_dispatch", "cp_size", cp_size)
+    cp_size = as_int(what, "cp_size", cp_size)
     if not 1 <= cp_size <= length:
-        raise ParallelStateValueError(f"plan_dispatch: cp_size={cp_size} must be between 1 and the length {length} "
+        raise ParallelStateValueError(f"{what}: cp_size={cp_size} must be between 1 and the length {length} "
                                       f"(every rank holds at least one token)")
-    if method not in METHODS:
-        raise ParallelStateValueError(f"plan_dispatch: method={method!r} is not one of {METHODS}")
-    return _plan(mask, length, cp_size, method)
+    if method not in ("auto",) + METHODS:
+        raise ParallelStateValueError(f"{what}: method={method!r} is not one of {('auto',) + METHODS}")
+    if transport is not None and transport not in TRANSPORTS:
+        raise ParallelStateValueError(f"{what}: transport={transport!r} is not one of {TRANSPORTS} (or None: "
+                                      f"the cost model's choice under method='auto', else 'p2p')")
+    if method == "clips" and (mask.kind != "packed" or len(mask.lengths or ()) < 2):
+        raise ParallelStateValueError(f"{what}: method='clips' keeps packed clips whole, but the mask {mask} has "
+                                      f"no two clips; use method='auto', 'balanced' or 'contiguous'")
+    rates = CostRates() if rates is None else rates
+    if not isinstance(rates, CostRates):
+        raise ParallelStateTypeError(f"{what}: rates must be a CostRates (or None: a GPU node's defaults), got "
+                                     f"{type(rates).__name__}; cp.measure_rates(group) measures a group's")
+    shape = AttentionShape() if shape is None else shape
+    if not isinstance(shape, AttentionShape):
+        raise ParallelStateTypeError(f"{what}: shape must be an AttentionShape (or None: the default), got "
+                                     f"{type(shape).__name__}")
+    ulysses_size = as_int(what, "ulysses_size", ulysses_size)
+    if ulysses_size < 1 or cp_size % ulysses_size:
+        raise ParallelStateValueError(f"{what}: ulysses_size={ulysses_size} must be >= 1 and divide "
+                                      f"cp_size={cp_size} (usp runs Ulysses over it, a ring over the rest)")
+    return _plan(mask, length, cp_size, method, transport, rates, shape, ulysses_size)
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(mask: AttentionMask, length: int, cp_size: int, method: str) -> DispatchPlan:
+def _plan(mask: AttentionMask, length: int, cp_size: int, method: str, transport: str | None, rates: CostRates,
+          shape: AttentionShape, ulysses_size: int) -> DispatchPlan:
+    layouts = _layouts(mask, length, cp_size)
+    names = [m for m in ORDER if m in layouts] if method == "auto" else [method]
+    ways = TRANSPORTS if transport is None and method == "auto" else (transport or "p2p",)
+    seen: set[tuple[Runs, ...]] = set()
+    priced = []
+    for name in names:
+        runs, work = layouts[name]
+        if runs in seen:  # the same layout under another name (e.g. balanced = contiguous for full attention)
+            continue
+        seen.add(runs)
+        priced += [predict(mask, length, runs, work, name, way, rates, shape, ulysses_size) for way in ways]
+    chosen, why = _choose(priced, method)
+    runs, work = layouts[chosen.method]
+    return DispatchPlan(mask=mask, length=length, cp_size=cp_size, method=chosen.method, runs=runs, work=work,
+                        transport=chosen.transport, predicted_ms=chosen.predicted_ms, candidates=tuple(priced),
+                        why=why)
+
+
+def _choose(priced: list[Candidate], method: str) -> tuple[Candidate, str]:
+    """The chosen candidate and why: the first (in order) within MARGIN of the fastest and no slower than
+    the fastest contiguous split."""
+    if method != "auto":
+        only = priced[0]
+        return only, f"method={method!r} with the {only.transport} transport, as asked: {only.row()}"
+    fastest = min(c.predicted_ms for c in priced)
+    contiguous = min(c.predicted_ms for c in priced if c.method == "contiguous")
+    reach = min(fastest * (1 + MARGIN), contiguous)
+    chosen = next(c for c in priced if c.predicted_ms <= reach)
+    best = min(priced, key=lambda c: c.predicted_ms)
+    base = min((c for c in priced if c.method == "contiguous"), key=lambda c: c.predicted_ms)
+    if chosen is best:
+        reason = "the fastest"
+    else:
+        reason = (f"within {MARGIN:.0%} of the fastest ({best.method}/{best.transport} {best.predicted_ms:.3g} ms) "
+                  f"and earlier in the order (simpler)")
+    speed = base.predicted_ms / chosen.predicted_ms if chosen.predicted_ms > 0 else 1.0
+    return chosen, (f"{chosen.method}/{chosen.transport} ({chosen.predicted_ms:.3g} ms) is {reason} of "
+                    f"{len(priced)} candidates, {speed:.2f}x the contiguous split's best "
+                    f"({base.transport}, {base.predicted_ms:.3g} ms)")
+
+
+@functools.lru_cache(maxsize=64)
+def _layouts(mask: AttentionMask, length: int, cp_size: int) -> dict[str, tuple[tuple[Runs, ...], tuple[int, ...]]]:
+    """Every candidate layout's runs and work per rank, by method name (clips only for packed masks)."""
     import torch
 
     sizes = shard_sizes(length, cp_size)
     prefix = torch.zeros(length + 1, dtype=torch.int64)
     torch.cumsum(mask.widths(length), 0, out=prefix[1:])
+
+    def work(runs: tuple[Runs, ...]) -> tuple[int, ...]:
+        ends = torch.tensor([p for rank in runs for run in rank for p in run], dtype=torch.int64)
+        at = prefix[ends].view(-1, 2).diff(dim=1).flatten().tolist()  # one gather: a few runs per rank
+        out, i = [], 0
+        for rank in runs:
+            out.append(sum(at[i:i + len(rank)]))
+            i += len(rank)
+        return tuple(out)
+
     cut = [0]
     for n in sizes:
         cut.append(cut[-1] + n)
     contiguous = tuple(((cut[r], cut[r + 1]),) for r in range(cp_size))
-    candidates = [contiguous]
-    if method == "balanced" and cp_size > 1:
-        candidates.append(_zigzag(mask, length, sizes, prefix))
-    best, best_work = None, None
-    for runs in candidates:  # the contiguous split first: it wins ties
-        work = tuple(sum(int(prefix[stop] - prefix[start]) for start, stop in rank) for rank in runs)
-        if best_work is None or max(work) < max(best_work):
-            best, best_work = runs, work
-    assert best is not None and best_work is not None
-    return DispatchPlan(mask=mask, length=length, cp_size=cp_size, method=method, runs=best, work=best_work)
+    out = {"contiguous": (contiguous, work(contiguous))}
+    balanced = out["contiguous"]
+    if cp_size > 1:
+        zigzag = _zigzag(mask, length, sizes, prefix)
+        if max(work(zigzag)) < max(balanced[1]):  # the contiguous split wins ties: one run per rank
+            balanced = (zigzag, work(zigzag))
+    out["balanced"] = balanced
+    if mask.kind == "packed" and len(mask.lengths or ()) > 1 and cp_size > 1:
+        clips = _clips(mask, length, cp_size, prefix)
+        out["clips"] = (clips, work(clips))
+    return out
+
+
+def _clips(mask: AttentionMask, length: int, cp_size: int, prefix_tensor: torch.Tensor) -> tuple[Runs, ...]:
+    """Whole clips packed onto ranks by work, a clip on the busiest rank split one rank further while that
+    helps (module doc)."""
+    bounds = mask.segment_bounds(length)
+    prefix = prefix_tensor.tolist()
+    clips = [(a, b, prefix[b] - prefix[a]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    inner = AttentionMask.full() if mask.chunk is None else AttentionMask.chunk_causal(mask.chunk)
+    target = prefix[length] / cp_size
+    cap = TOKEN_SKEW * length / cp_size
+
+    def pieces(c: int, k: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        """Clip c in k pieces: (work, tokens, runs) each, by the balanced plan of the clip alone."""
+        a, b, w = clips[c]
+        if k == 1:
+            return [(w, b - a, [(a, b)])]
+        runs, works = _layouts(inner, b - a, k)["balanced"]
+        return [(wk, sum(y - x for x, y in rk), [(a + x, a + y) for x, y in rk]) for rk, wk in zip(runs, works,
+                                                                                                    strict=True)]
+
+    def arrange(split: list[int]) -> tuple[float, list[list[tuple[int, int]]], list[set[int]]]:
+        """Heaviest first onto the least loaded rank (ties: fewer tokens, lower rank), the pieces of a clip on
+        different ranks, within the token cap where some rank has room: (max load / mean, runs, clips per rank)."""
+        items = sorted(((w, t, runs, c) for c, k in enumerate(split) for w, t, runs in pieces(c, k)),
+                       key=lambda it: (-it[0], -it[1], it[3]))
+        load, held = [0] * cp_size, [0] * cp_size
+        place: list[list[tuple[int, int]]] = [[] for _ in range(cp_size)]
+        on: list[set[int]] = [set() for _ in range(cp_size)]
+        for w, t, runs, c in items:
+            free = [r for r in range(cp_size) if c not in on[r]]
+            roomy = [r for r in free if held[r] + t <= cap] or free
+            r = min(roomy, key=lambda r: (load[r] if place[r] else -1, held[r], r))  # empty ranks first
+            load[r], held[r] = load[r] + w, held[r] + t
+            place[r] += runs
+            on[r].add(c)
+        worst = max(load) / target if target and all(place) else math.inf
+        return worst, place, on
+
+    split = [1] * len(clips)
+    while sum(split) < cp_size:  # at least one piece per rank: split the heaviest pieces first
+        c = max((c for c in range(len(clips)) if split[c] < clips[c][1] - clips[c][0]),
+                key=lambda c: (clips[c][2] / split[c], -c))
+        split[c] += 1
+    best = current = (arrange(split), split)
+    for _ in range(cp_size + len(clips)):
+        (worst, place, on), split = current
+        if best[0][0] <= 1.05:
+            break
+        busiest = max(range(cp_size), key=lambda r: sum(prefix[y] - prefix[x] for x, y in place[r]))
+        heaviest = max(range(len(clips)), key=lambda c: (clips[c][2] / split[c], -c))
+        options = sorted(c for c in on[busiest] | {heaviest}
+                         if split[c] < min(cp_size, clips[c][1] - clips[c][0]))
+        if not options:
+            break
+        trials = []
+        for c in options:
+            more = split[:c] + [split[c] + 1] + split[c + 1:]
+            trials.append((arrange(more), more))
+        current = min(trials, key=lambda tr: (tr[0][0], sum(tr[1])))  # taken even if no better: a way out
+        if current[0][0] < best[0][0]:
+            best = current
+    return tuple(_merge(runs) for runs in best[0][1])
 
 
 def _pieces(mask: AttentionMask, length: int, cp_size: int, prefix: torch.Tensor) -> list[tuple[int, int]]:
@@ -286,4 +471,4 @@ def _merge(runs: list[tuple[int, int]]) -> Runs:
     return tuple(out)
 
 
-__all__ = ["METHODS", "DispatchPlan", "plan_dispatch"]
+__all__ = ["MARGIN", "METHODS", "AttentionShape", "CostRates", "DispatchPlan", "plan_dispatch"]
