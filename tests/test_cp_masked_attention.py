@@ -108,15 +108,10 @@ def _check_traffic(count, mask, plan, me, ranks, k, v, s):
 
 
 def _with_transport(plan, transport):
-    """The plan asking for ``transport`` (``DispatchPlan.transport``; set on a copy where the field is not there)."""
-    import copy
+    """The plan asking for ``transport`` (``DispatchPlan.transport``)."""
     import dataclasses
 
-    if any(f.name == "transport" for f in dataclasses.fields(plan)):
-        return dataclasses.replace(plan, transport=transport)
-    plan = copy.copy(plan)
-    object.__setattr__(plan, "transport", transport)
-    return plan
+    return dataclasses.replace(plan, transport=transport)
 
 
 def _check_transport(count, transport, mask, plan, me, ranks, k, v, s):
