@@ -37,10 +37,9 @@ import datetime
 import statistics
 import sys
 import time
-import traceback
 from typing import Any
 
-from benchmarks.harness import spawn_ranks, table
+from benchmarks.harness import answer, spawn_ranks, table
 
 LATENT = (1, 16, 8, 32, 32)
 PATCH = (1, 2, 2)
@@ -78,13 +77,14 @@ def gather_kv_attention(q: Any, k: Any, v: Any, group: Any) -> Any:
     return cp.sdpa_in_layout(q, full[0], full[1])
 
 
-def time_in_turns(ways: dict[Any, Any], group: Any, opts: dict[str, Any]) -> dict[Any, list[float]]:
+def time_in_turns(ways: dict[Any, Any], group: Any, opts: dict[str, Any], device: Any = "cpu") -> dict[Any, list[float]]:
     """Each way's times (the slowest rank's), ``opts["reps"]`` rounds after ``opts["warmup"]``, every round
-    calling every way once after a barrier, in an order that rotates by one each round."""
+    calling every way once after a barrier, in an order that rotates by one each round. ``device``: where the
+    group's backend reduces (a CUDA device for NCCL; a way on a GPU synchronizes before it returns)."""
     import torch
     import torch.distributed as dist
 
-    slowest = torch.zeros(1, dtype=torch.float64)
+    slowest = torch.zeros(1, dtype=torch.float64, device=device)
     times: dict[Any, list[float]] = {key: [] for key in ways}
     order = list(ways.items())
     for rep in range(opts["reps"] + opts["warmup"]):
@@ -100,10 +100,7 @@ def time_in_turns(ways: dict[Any, Any], group: Any, opts: dict[str, Any]) -> dic
 
 
 def _rank_main(rank: int, world: int, store: str, opts: dict[str, Any], conn: Any) -> None:
-    try:
-        conn.send(("ok", _measure(rank, world, store, opts)))
-    except BaseException as exc:  # report, so the parent prints why instead of waiting
-        conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    answer(conn, _measure, rank, world, store, opts)
 
 
 def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[str, Any] | None:
@@ -158,10 +155,7 @@ def masked_cases() -> dict[str, Any]:
 
 
 def _rank_main_masked(rank: int, world: int, store: str, opts: dict[str, Any], conn: Any) -> None:
-    try:
-        conn.send(("ok", _measure_masked(rank, world, store, opts)))
-    except BaseException as exc:
-        conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    answer(conn, _measure_masked, rank, world, store, opts)
 
 
 def _measure_masked(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[str, Any] | None:

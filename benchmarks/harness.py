@@ -157,6 +157,17 @@ def spawn_ranks(target: Callable[..., Any], world: int, opts: dict[str, Any], *,
                     proc.join(5)
 
 
+def answer(conn: Any, measure: Callable[..., Any], *args: Any) -> None:
+    """A spawned rank's reply for :func:`spawn_ranks`: ``("ok", measure(*args))``, or ``("err", the traceback)``
+    so that the parent prints why instead of waiting."""
+    import traceback
+
+    try:
+        conn.send(("ok", measure(*args)))
+    except BaseException as exc:
+        conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
 def median(values: Sequence[float]) -> float:
     """The median, the figure every table reports (robust to one noisy run)."""
     return statistics.median(values)
