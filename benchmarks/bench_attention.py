@@ -52,7 +52,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.harness import answer, spawn_ranks, table
+from benchmarks.harness import spawn_measure, table
 
 LATENT = (1, 16, 8, 32, 32)
 PATCH = (1, 2, 2)
@@ -112,19 +112,22 @@ def time_in_turns(ways: dict[Any, Any], group: Any, opts: dict[str, Any], device
     return times
 
 
-def _rank_main(rank: int, world: int, store: str, opts: dict[str, Any], conn: Any) -> None:
-    answer(conn, _measure, rank, world, store, opts)
+def join(rank: int, world: int, store: str, opts: dict[str, Any], timeout: float = 120) -> None:
+    """This spawned rank joins the gloo world at ``store``, on ``opts["threads"]`` torch threads."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(opts["threads"])
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
 
 
 def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[str, Any] | None:
-    import torch
     import torch.distributed as dist
 
     import cp
 
-    torch.set_num_threads(opts["threads"])
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    join(rank, world, store, opts)
     import parallel_state as ps
 
     group = dist.group.WORLD
@@ -167,10 +170,6 @@ def masked_cases() -> dict[str, Any]:
             f"packed clips {'+'.join(map(str, CLIPS))} frames": cp.Mask.packed([c * FRAME_TOKENS for c in CLIPS])}
 
 
-def _rank_main_masked(rank: int, world: int, store: str, opts: dict[str, Any], conn: Any) -> None:
-    answer(conn, _measure_masked, rank, world, store, opts)
-
-
 def _measure_masked(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
@@ -178,9 +177,7 @@ def _measure_masked(rank: int, world: int, store: str, opts: dict[str, Any]) -> 
     import cp
     import parallel_state as ps
 
-    torch.set_num_threads(opts["threads"])
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    join(rank, world, store, opts)
     ps.initialize_model_parallel(context_parallel_size=world, hierarchical_context_parallel_sizes=[2, world // 2])
     ug, rg = ps.get_hierarchical_context_parallel_groups()
     group = dist.group.WORLD
@@ -279,7 +276,7 @@ def _plan_cells(p: dict[str, Any]) -> list[str]:
 def masked_rows(world: int, opts: dict[str, Any]) -> list[list[Any]]:
     """The masked table's rows: each mask and method, the default plan beside the contiguous split, and the
     efficiency of the default plan (one process's fused SDPA / (ranks x its time))."""
-    r = spawn_ranks(_rank_main_masked, world, opts, timeout=600, prefix="bench_attention_masked")
+    r = spawn_measure(_measure_masked, world, opts, timeout=600, prefix="bench_attention_masked")
     one = masked_one_process_ms(opts)
     rows = []
     for mask_name in masked_cases():
@@ -326,21 +323,14 @@ def _call(fn: Any, ins: list[Any], grad: Any, backward: bool) -> Any:
     return out
 
 
-def _rank_main_peers(rank: int, world: int, store: str, opts: dict[str, Any], conn: Any) -> None:
-    answer(conn, _measure_peers, rank, world, store, opts)
-
-
 def _measure_peers(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[str, Any] | None:
-    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import cp
     from benchmarks import torch_cp
 
-    torch.set_num_threads(opts["threads"])
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    join(rank, world, store, opts, timeout=300)
     mesh = init_device_mesh("cpu", (world,))
     group = dist.group.WORLD
     q, k, v, grad = peer_inputs()
@@ -415,7 +405,7 @@ def one_process_ms(fn: Any, reps: int, threads: int) -> float:
 def peer_rows(world: int, opts: dict[str, Any]) -> list[list[Any]]:
     """The peer table's rows on ``world`` ranks, each with the efficiency of ours (one process's fused SDPA on the
     same tokens / (ranks x our time))."""
-    r = spawn_ranks(_rank_main_peers, world, opts, timeout=900, prefix="bench_attention_peers")
+    r = spawn_measure(_measure_peers, world, opts, timeout=900, prefix="bench_attention_peers")
     *ins, grad = peer_inputs()
     rows = []
     for i, (name, mask, method, backward) in enumerate(peer_cases()):
@@ -437,7 +427,7 @@ def usp_sizes(world: int) -> tuple[int, int]:
 
 def run(world: int, opts: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
     """Start ``world`` ranks, measure, and return rank 0's figures."""
-    return spawn_ranks(_rank_main, world, opts, timeout=timeout, prefix="bench_attention")
+    return spawn_measure(_measure, world, opts, timeout=timeout, prefix="bench_attention")
 
 
 def single_process_ms(reps: int, threads: int) -> float:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from benchmarks.bench_attention import time_in_turns
-from benchmarks.harness import answer, median, spawn_ranks, table
+from benchmarks.harness import median, spawn_measure, table
 
 NEEDS_GPU = ("bench_gpu needs a CUDA GPU (torch.cuda.is_available() is False here): nothing measured; "
              "`python -m benchmarks gpu -- --device cpu --tiny` runs its code path on this CPU")
@@ -149,10 +149,6 @@ def peak_bytes(fn: Callable[[], Any], device: Any) -> int | None:
 
 
 # ---------------------------------------------------------------- one rank
-
-def _rank_main(rank: int, world: int, store: str, opts: dict[str, Any], conn: Any) -> None:
-    answer(conn, _measure, rank, world, store, opts)
-
 
 def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> list[dict[str, Any]] | None:
     import torch
@@ -349,7 +345,7 @@ def run(opts: dict[str, Any], worlds: list[int]) -> list[dict[str, Any]]:
         if time.time() > opts["deadline"]:
             break
         timeout = max(60.0, opts["deadline"] - time.time()) + opts["pg_timeout"] + 60
-        rows += spawn_ranks(_rank_main, world, opts, timeout=timeout, prefix="bench_gpu")
+        rows += spawn_measure(_measure, world, opts, timeout=timeout, prefix="bench_gpu")
     return rows
 
 
