@@ -1,4 +1,7 @@
-"""``python -m benchmarks [NAME ...]``: run every ``benchmarks/bench_*.py`` (or the named ones) in turn."""
+"""``python -m benchmarks [NAME ...] [-- OPTION ...]``: run every ``benchmarks/bench_*.py`` (or the named ones) in turn.
+
+Options after ``--`` go to the one named benchmark (``python -m benchmarks gpu -- --device cpu --tiny``).
+"""
 
 from __future__ import annotations
 
@@ -22,16 +25,20 @@ def main(argv: list[str] | None = None) -> int:
     names = available()
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run (default: all of {names})")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, rest = parser.parse_args(argv[:cut]), argv[cut + 1:]
     unknown = [n for n in args.names if n not in names]
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {names}")
+    if rest and len(args.names) != 1:
+        parser.error(f"options after -- ({' '.join(rest)}) go to one benchmark: name exactly one, got {args.names}")
     failed: list[str] = []
     for name in args.names or names:
         print(f"## bench_{name}", flush=True)
         start = time.perf_counter()
         try:
-            status = importlib.import_module(f"benchmarks.bench_{name}").main([])
+            status = importlib.import_module(f"benchmarks.bench_{name}").main(rest)
         except Exception:  # keep going: one broken benchmark must not hide the others' tables
             traceback.print_exc()
             status = 1

@@ -157,6 +157,23 @@ def spawn_ranks(target: Callable[..., Any], world: int, opts: dict[str, Any], *,
                     proc.join(5)
 
 
+def _answer(measure: Callable[..., Any], rank: int, world: int, store: str, opts: dict[str, Any], conn: Any) -> None:
+    import traceback
+
+    try:
+        conn.send(("ok", measure(rank, world, store, opts)))
+    except BaseException as exc:  # report, so the parent prints why instead of waiting
+        conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def spawn_measure(measure: Callable[..., Any], world: int, opts: dict[str, Any], *, timeout: float, prefix: str) -> Any:
+    """:func:`spawn_ranks` for a module-level ``measure(rank, world, store, opts)``: rank 0's return value, or
+    the first failing rank's traceback raised here."""
+    import functools
+
+    return spawn_ranks(functools.partial(_answer, measure), world, opts, timeout=timeout, prefix=prefix)
+
+
 def median(values: Sequence[float]) -> float:
     """The median, the figure every table reports (robust to one noisy run)."""
     return statistics.median(values)

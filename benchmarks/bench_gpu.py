@@ -1,0 +1,403 @@
+"""The GPU check: ring, usp and masked attention in bfloat16 against one process's SDPA: error, peak memory, time.
+
+For each shape (a small one and a realistic video DiT size, 24 heads x 128, 21 latent frames of 1,560
+tokens = 32,760 tokens, batch 1), each call and each mask kind (full, causal, chunk-causal,
+sliding-window, packed clips), on a world of one GPU (groups of one) and, when the machine has
+several, on all of them (NCCL, one process per GPU): ``cp.ring_attention`` and ``cp.usp_attention``
+(Ulysses 2 x ring n/2 on parallel_state's hierarchical cp groups), plain (no mask; ``causal=True``)
+on the contiguous split and masked (``plan=cp.plan_dispatch(mask, length, n)``, the default plan),
+forward + backward in bfloat16. Against one process:
+
+- error: out, dq, dk, dv against a float32 reference (one process's fused SDPA under the dense
+  mask), max |diff| and max |diff| / max |ref|, beside the same figures of one process's bfloat16
+  SDPA (the error a fused bfloat16 kernel has anyway);
+- peak memory: ``torch.cuda.max_memory_allocated`` above what was allocated before the call, the
+  busiest rank's, beside one process's SDPA on the whole sequence;
+- time: the slowest rank's, beside one process's bfloat16 SDPA on the whole sequence (the same
+  mask, every token), timed in turns; efficiency = t_sdpa / (ranks x t_ours), the fraction of the
+  fused kernel's throughput reached (above 1 where the mask lets ours skip what SDPA computes).
+
+Without a CUDA GPU it prints that it needs one and exits 0. ``--device cpu --tiny`` runs the same
+code on a CPU at a tiny size (gloo, a world of one): the test suite runs it so that this file works
+before a GPU sees it. Cases past ``--budget`` seconds are listed as skipped, so the check ends in
+about five minutes whatever the kernels do; a call that runs out of memory is a row saying so.
+
+``python -m benchmarks gpu [-- --sizes small,video] [--reps 5] [--worlds 1,N] [--budget 270] [--device cpu --tiny]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from benchmarks.bench_attention import time_in_turns
+from benchmarks.harness import median, spawn_measure, table
+
+NEEDS_GPU = ("bench_gpu needs a CUDA GPU (torch.cuda.is_available() is False here): nothing measured; "
+             "`python -m benchmarks gpu -- --device cpu --tiny` runs its code path on this CPU")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One workload: [batch, frames x frame_tokens, heads, dim], and the masks' chunk and clip sizes in frames."""
+
+    name: str
+    heads: int
+    dim: int
+    frames: int
+    frame_tokens: int
+    chunk_frames: int
+    window_chunks: int
+    clips: tuple[int, ...]
+
+    @property
+    def length(self) -> int:
+        return self.frames * self.frame_tokens
+
+    def describe(self) -> str:
+        return f"[1, {self.length}, {self.heads}, {self.dim}] ({self.frames} frames of {self.frame_tokens})"
+
+
+SHAPES = {
+    "small": Shape("small", 8, 64, 8, 256, 2, 2, (3, 2, 3)),
+    "video": Shape("video", 24, 128, 21, 1560, 3, 2, (9, 5, 7)),
+    "tiny": Shape("tiny", 4, 8, 4, 8, 1, 2, (2, 1, 1)),
+}
+
+
+def masks(shape: Shape) -> dict[str, Any]:
+    """Every mask kind on ``shape``'s frames, by name."""
+    import cp
+
+    chunk = shape.chunk_frames * shape.frame_tokens
+    return {"full": cp.Mask.full(), "causal": cp.Mask.causal(), "chunk_causal": cp.Mask.chunk_causal(chunk),
+            "sliding_window": cp.Mask.sliding_window(chunk, shape.window_chunks),
+            "packed": cp.Mask.packed([c * shape.frame_tokens for c in shape.clips])}
+
+
+def usp_split(world: int) -> tuple[int, int]:
+    """usp's [ulysses, ring] sizes on ``world`` ranks: 2 x world/2 where that divides, else a ring alone."""
+    return (2, world // 2) if world % 2 == 0 else (1, world)
+
+
+def cases(shape: Shape) -> list[tuple[str, str, str]]:
+    """(method, call, mask name) of every row for ``shape``, mask by mask (one reference each): the plain calls
+    (no mask; ``causal=True``) for full and causal, the default plan for every kind."""
+    return [(method, call, name) for name in masks(shape) for method in ("ring", "usp")
+            for call in (("plain", "plan") if name in ("full", "causal") else ("plan",))]
+
+
+# ---------------------------------------------------------------- the reference (one process)
+
+def sdpa_kwargs(mask_name: str, mask: Any, length: int, device: Any) -> dict[str, Any]:
+    """One process's SDPA arguments for ``mask`` on the whole sequence: none for full, torch's causal flag for
+    causal (its fused causal kernels), else the dense bool mask (True: may attend), built once."""
+    if mask_name == "full":
+        return {}
+    if mask_name == "causal":
+        return {"is_causal": True}
+    return {"attn_mask": mask.dense(length).to(device)}
+
+
+def fused_only() -> Any:
+    """On CUDA: SDPA without its math fallback, so that a reference no fused kernel takes fails with torch's
+    reason instead of holding a [heads, L, L] float32 score matrix."""
+    import contextlib
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
+
+
+def forward_backward(fn: Callable[..., Any], ins: list[Any], grad: Any) -> tuple[Any, ...]:
+    """``fn(*ins)`` and the gradients of ``ins`` for the output gradient ``grad``: (out, dq, dk, dv)."""
+    import torch
+
+    out = fn(*ins)
+    return (out.detach(), *torch.autograd.grad(out, ins, grad))
+
+
+def errors(got: tuple[Any, ...], want: tuple[Any, ...], scale: list[float]) -> dict[str, float]:
+    """max |diff| and max |diff| / ``scale`` (the whole reference's max |ref|) of out and of the worst gradient
+    (got and want: out, dq, dk, dv, or this rank's tokens of them)."""
+    diffs = [(g.float() - w.float()).abs().max().item() for g, w in zip(got, want, strict=True)]
+    rel = [d / (s or 1.0) for d, s in zip(diffs, scale, strict=True)]
+    return {"out_abs": diffs[0], "out_rel": rel[0], "grad_abs": max(diffs[1:]), "grad_rel": max(rel[1:])}
+
+
+def peak_bytes(fn: Callable[[], Any], device: Any) -> int | None:
+    """The most memory allocated during ``fn()`` beyond what was allocated before it (None off CUDA)."""
+    import torch
+
+    if device.type != "cuda":
+        fn()
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+# ---------------------------------------------------------------- one rank
+
+def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> list[dict[str, Any]] | None:
+    import torch
+    import torch.distributed as dist
+
+    import parallel_state as ps
+
+    cuda = opts["device"] == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(opts["threads"])
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=opts["pg_timeout"]))
+    u, r = usp_split(world)
+    ps.initialize_model_parallel(context_parallel_size=world, hierarchical_context_parallel_sizes=[u, r])
+    groups = {"ring": dist.group.WORLD, "usp": ps.get_hierarchical_context_parallel_groups()}
+    deadline = opts["deadline"]
+    rows = []
+    try:
+        for shape in (SHAPES[s] for s in opts["sizes"]):
+            rows += _shape_rows(shape, rank, world, groups, device, deadline, opts)
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    return rows if rank == 0 else None
+
+
+def _any_rank(flag: bool, device: Any) -> bool:
+    """Whether ``flag`` holds on any rank (every rank learns it, so none waits in a collective the others skipped)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _worst(values: dict[str, float | None], device: Any) -> dict[str, float | None]:
+    """Each figure's maximum over the ranks (None stays None: it is the same on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    keys = [k for k, v in values.items() if v is not None]
+    if not keys:
+        return values
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)  # type: ignore[arg-type]
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {**values, **dict(zip(keys, t.tolist(), strict=True))}
+
+
+def _oom(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _shape_rows(shape: Shape, rank: int, world: int, groups: dict[str, Any], device: Any, deadline: float,
+                opts: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch
+
+    length = shape.length
+    g = torch.Generator(device=device).manual_seed(0)
+    full = [torch.randn(1, length, shape.heads, shape.dim, device=device, generator=g) for _ in range(4)]
+    rows: list[dict[str, Any]] = []
+    refs: dict[str, Any] = {}
+    for method, call, mask_name in cases(shape):
+        row: dict[str, Any] = {"shape": shape.name, "ranks": world, "method": method, "call": call,
+                               "mask": mask_name}
+        rows.append(row)
+        if _any_rank(time.time() > deadline, device):
+            row["status"] = "skipped: past the time budget"
+            continue
+        mask = masks(shape)[mask_name]
+        try:
+            if mask_name not in refs:  # the float32 reference and one process's bfloat16 SDPA, once per mask
+                refs.clear()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                refs[mask_name] = _reference(full, mask_name, mask, length, device)
+            measured = _case(method, call, mask_name, mask, refs[mask_name], full, rank, world, groups, device, opts)
+            failed = None
+        except Exception as exc:  # one case's failure (out of memory, no kernel) is its row, not the end of the run
+            failed = exc
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if _any_rank(failed is not None, device):
+            row["status"] = ("out of memory" if failed is not None and _oom(failed)
+                             else f"failed: {type(failed).__name__}: {failed}" if failed is not None
+                             else "failed on another rank")
+            row["status"] = row["status"].splitlines()[0][:160]
+            continue
+        plan, err, ours_peak, times = measured
+        ms = {k: median(v) * 1e3 for k, v in times.items()}
+        row.update(_worst({**err, "peak": ours_peak}, device))
+        ref = refs[mask_name]
+        row.update(sdpa_err=ref["sdpa_err"], sdpa_peak=ref["sdpa_peak"], ms=ms["ours"], sdpa_ms=ms["sdpa"],
+                   efficiency=ms["sdpa"] / (world * ms["ours"]), status="ok",
+                   plan=plan.method if call == "plan" else "contiguous (plain call)",
+                   transport=getattr(plan, "transport", None), predicted_ms=getattr(plan, "predicted_ms", None))
+    return rows
+
+
+def _case(method: str, call: str, mask_name: str, mask: Any, ref: dict[str, Any], full: list[Any], rank: int,
+          world: int, groups: dict[str, Any], device: Any, opts: dict[str, Any]) -> tuple[Any, ...]:
+    """One row's figures on this rank: the plan, the errors, the peak memory and both ways' times."""
+    import torch
+
+    import cp
+
+    length, bf16 = full[0].shape[1], torch.bfloat16
+    plan = (cp.plan_dispatch(mask, length, world) if call == "plan"
+            else cp.plan_dispatch(cp.Mask.full(), length, world, method="contiguous"))
+    mine = plan.index(rank).to(device)
+    ins = [t[:, mine].to(bf16).requires_grad_(True) for t in full[:3]]
+    grad = full[3][:, mine].to(bf16)
+    fn = _ours(method, call, mask_name, plan, groups["ring"], *groups["usp"])
+    err = errors(forward_backward(fn, ins, grad), tuple(t[:, mine] for t in ref["fp32"]), ref["scale"])
+    peak = peak_bytes(lambda: forward_backward(fn, ins, grad), device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    ways = {"ours": lambda: (forward_backward(fn, ins, grad), sync()),
+            "sdpa": lambda: (forward_backward(ref["sdpa"], *ref["bf16"]), sync())}
+    return plan, err, peak, time_in_turns(ways, groups["ring"], {"reps": opts["reps"], "warmup": 1}, device=device)
+
+
+def _ours(method: str, call: str, mask_name: str, plan: Any, group: Any, ug: Any, rg: Any) -> Callable[..., Any]:
+    """The call a row measures: ring or usp, plain (``causal=True`` for causal) or on ``plan``."""
+    import cp
+
+    if call == "plain":
+        causal = mask_name == "causal"
+        if method == "ring":
+            return lambda q, k, v: cp.ring_attention(q, k, v, group, causal=causal)
+        return lambda q, k, v: cp.usp_attention(q, k, v, ulysses_group=ug, ring_group=rg, causal=causal)
+    if method == "ring":
+        return lambda q, k, v: cp.ring_attention(q, k, v, group, plan=plan)
+    return lambda q, k, v: cp.usp_attention(q, k, v, ulysses_group=ug, ring_group=rg, plan=plan)
+
+
+def _reference(full: list[Any], mask_name: str, mask: Any, length: int, device: Any) -> dict[str, Any]:
+    """The float32 reference (out, dq, dk, dv), one process's bfloat16 SDPA call, its error and peak memory."""
+    import torch
+
+    import cp
+
+    kwargs = sdpa_kwargs(mask_name, mask, length, device)
+
+    def sdpa(q: Any, k: Any, v: Any) -> Any:
+        with fused_only():
+            return cp.sdpa_in_layout(q, k, v, **kwargs)
+
+    fp32 = forward_backward(sdpa, [t.clone().requires_grad_(True) for t in full[:3]], full[3])
+    ins = [t.to(torch.bfloat16).requires_grad_(True) for t in full[:3]]
+    grad = full[3].to(torch.bfloat16)
+    scale = [t.abs().max().item() for t in fp32]
+    err = errors(forward_backward(sdpa, ins, grad), fp32, scale)
+    return {"fp32": fp32, "scale": scale, "sdpa": sdpa, "bf16": (ins, grad), "sdpa_err": err,
+            "sdpa_peak": peak_bytes(lambda: forward_backward(sdpa, ins, grad), device)}
+
+
+# ---------------------------------------------------------------- the table
+
+def _mib(b: float | None) -> str:
+    return "-" if b is None else f"{b / 2**20:.0f}"
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """The printed table's cells of the rows the ranks measured (SDPA's figure in brackets)."""
+    out = []
+    for r in rows:
+        head = [r["shape"], r["ranks"], r["method"], r["call"], r["mask"]]
+        if r.get("status") != "ok":
+            out.append(head + [r.get("status", "-")] + ["-"] * (len(HEADER) - len(head) - 1))
+            continue
+        sdpa, pred = r["sdpa_err"], r.get("predicted_ms")
+        out.append(head + [
+            r["plan"] + (f", {r['transport']}" if r.get("transport") else ""),
+            f"{r['out_abs']:.2g} ({sdpa['out_abs']:.2g})", f"{r['out_rel']:.2g} ({sdpa['out_rel']:.2g})",
+            f"{r['grad_rel']:.2g} ({sdpa['grad_rel']:.2g})", f"{_mib(r['peak'])} ({_mib(r['sdpa_peak'])})",
+            f"{r['ms']:.2f} ({r['sdpa_ms']:.2f})", "-" if pred is None else f"{pred:.2f}", f"{r['efficiency']:.2f}",
+        ])
+    return out
+
+
+HEADER = ["shape", "ranks", "method", "call", "mask", "plan", "out max abs err (SDPA's)", "out rel err (SDPA's)",
+          "grad rel err (SDPA's)", "peak MiB (SDPA's)", "ms (SDPA's)", "predicted ms", "efficiency"]
+
+
+def run(opts: dict[str, Any], worlds: list[int]) -> list[dict[str, Any]]:
+    """Measure on every world size in turn (spawned ranks, one per device); every rank-0 row."""
+    rows: list[dict[str, Any]] = []
+    for world in worlds:
+        if time.time() > opts["deadline"]:
+            break
+        timeout = max(60.0, opts["deadline"] - time.time()) + opts["pg_timeout"] + 60
+        rows += spawn_measure(_measure, world, opts, timeout=timeout, prefix="bench_gpu")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure and print the table; without a CUDA GPU (and without ``--device cpu``) say so and return 0."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_gpu", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="the tiny shape only (for --device cpu: the test's run)")
+    parser.add_argument("--sizes", default="small,video", help=f"shapes, of {sorted(SHAPES)}")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--worlds", default=None, help="rank counts (default: 1 and every GPU, when several)")
+    parser.add_argument("--budget", type=float, default=270.0, help="seconds of measuring before skipping the rest")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (--device cpu)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write every row, as measured, to PATH")
+    args = parser.parse_args(argv)
+    sizes = ["tiny"] if args.tiny else args.sizes.split(",")
+    if unknown := [s for s in sizes if s not in SHAPES]:
+        parser.error(f"unknown size(s) {unknown}; choose from {sorted(SHAPES)}")
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(NEEDS_GPU)
+        return 0
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 1
+    worlds = [int(w) for w in args.worlds.split(",")] if args.worlds else sorted({1, min(gpus, 8)})
+    if args.device == "cuda" and max(worlds) > gpus:
+        parser.error(f"--worlds {args.worlds}: this machine has {gpus} GPU(s), one rank per GPU")
+    start = time.time()
+    opts = {"device": args.device, "sizes": sizes, "reps": args.reps, "threads": args.threads,
+            "deadline": start + args.budget, "pg_timeout": 120}
+    try:
+        rows = run(opts, worlds)
+    except Exception as exc:
+        print(f"bench_gpu failed: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
+    print(table(
+        f"cp attention in bfloat16 on {name}: ours beside one process's SDPA, forward + backward",
+        HEADER, table_rows(rows),
+        [", ".join(f"{s}: {SHAPES[s].describe()}" for s in sizes),
+         f"error against a float32 one-process SDPA (abs: max of the difference; rel: divided by the reference's "
+         f"max; grad: the worst of dq, dk, dv), in brackets one process's bfloat16 SDPA's; peak: "
+         f"max_memory_allocated above the inputs, the busiest rank's, beside SDPA's on the whole sequence; ms: median "
+         f"of {args.reps}, slowest rank, in turns with one process's SDPA on the whole sequence; predicted: the "
+         f"plan's own estimate, where it has one; efficiency = SDPA ms / (ranks x ms)"],
+    ))
+    print(f"(bench_gpu took {time.time() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
