@@ -62,7 +62,7 @@ def _parameters(reference: Callable[..., Any], name: str
         if {p.name for p in rows} != set(params):
             raise ValueError(f"{name}: the reference's parameters {list(params)} are not the release table's "
                              f"{[p.name for p in rows]}")
-        beyond = None if releases.known(releases.in_use()) else "beyond"
+        beyond = releases.beyond()
         return ([(p.name, p.default) for p in releases.positional(name)],
                 [(p.name, p.default) for p in releases.keyword_only(name)], beyond)
     default = {p.name: REQUIRED if p.default is p.empty else p.default for p in params.values()}
@@ -144,7 +144,7 @@ def compile_accessor(reference: Callable[..., Any], variants: dict[str, str], na
 def _twin(shape: types.FunctionType, reference: Callable[..., Any], variants: dict[str, str], name: str,
           positional: int) -> Callable[..., Any]:
     namespace: dict[str, Any] = {"__builtins__": builtins, "reference": reference,
-                                 "refuse": lambda got: _refuse(name, positional, got)}
+                                 "refuse": lambda extra: releases.refuse(f"{name}()", positional, extra)}
     for variant, key in variants.items():
         variable = f"a_{variant}"
         _VARIABLES.append((namespace, variable, key))
@@ -154,10 +154,6 @@ def _twin(shape: types.FunctionType, reference: Callable[..., Any], variants: di
     fast.__doc__, fast.__module__ = reference.__doc__, reference.__module__
     fast.__annotations__ = dict(reference.__annotations__)
     return fast
-
-
-def _refuse(name: str, positional: int, beyond: int) -> None:
-    raise TypeError(releases.too_many(f"{name}()", positional, positional + beyond, releases.in_use()))
 
 
 def refresh() -> None:

@@ -29,21 +29,16 @@ def _made_initialize_model_parallel() -> Callable[..., None]:
     """``initialize_model_parallel`` as a plain def with the release in use's parameters (``InitArguments``')."""
     positional = [(name, InitArguments.__dataclass_fields__[name].default) for name in InitArguments.positional()]
     keyword_only = list(InitArguments.keyword_only())
-    beyond = None if releases.known(releases.in_use()) else "beyond"
+    beyond = releases.beyond()
     names = [name for name, _ in positional + keyword_only]
     body = [f"    if {beyond}:", f"        refuse(len({beyond}))"] if beyond else []
     body.append(f"    _initialize(InitArguments.from_call({{{', '.join(f'{n!r}: {n}' for n in names)}}}))")
     annotations = {p.name: p.annotation for p in InitArguments.signature().parameters.values()}
     namespace = {"InitArguments": InitArguments, "_initialize": lambda args: _initialize(args),
-                 "refuse": lambda got: _refuse(len(positional), got)}
+                 "refuse": lambda extra: releases.refuse("initialize_model_parallel()", len(positional), extra)}
     return codegen.define("initialize_model_parallel", codegen.parameter_text(positional, keyword_only, beyond),
                           "\n".join(body) + "\n", namespace, module=__name__, doc=_DOC,
                           annotations={**annotations, "return": "None"})
-
-
-def _refuse(positional: int, beyond: int) -> None:
-    raise ParallelStateTypeError(releases.too_many("initialize_model_parallel()", positional, positional + beyond,
-                                                   releases.in_use()))
 
 
 _DOC = """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.

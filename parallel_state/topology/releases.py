@@ -15,7 +15,7 @@ import os
 import re
 import sys
 
-from parallel_state.errors import ParallelStateValueError
+from parallel_state.errors import ParallelStateTypeError, ParallelStateValueError
 from parallel_state.topology.release_table import BEHAVIOURS, GLOBALS, KNOWN, SIGNATURES, Fact, Param
 
 #: The release assumed when no megatron-core is installed.
@@ -144,3 +144,14 @@ def too_many(what: str, limit: int, got: int, release: str) -> str:
     return (f"{what} got {got} positional arguments, but beyond the first {limit} megatron-core's releases bind "
             f"them to different parameters and the release in use ({release}) is not one parallel_state knows "
             f"({', '.join(KNOWN)}): pass them by keyword, or set {ENV} to the release whose order you mean")
+
+
+def beyond(release: str | None = None) -> str | None:
+    """The name of the ``*`` parameter a generated function has after the shared positions for a release
+    parallel_state does not know (its values are refused by :func:`refuse`); None for a known release."""
+    return None if known(release or in_use()) else "beyond"
+
+
+def refuse(what: str, limit: int, extra: int) -> None:
+    """Raise the TypeError for ``extra`` positional values beyond the ``limit`` a function takes."""
+    raise ParallelStateTypeError(too_many(what, limit, limit + extra, in_use()))
