@@ -23,7 +23,7 @@ machine: closures cost 3 to 6 ns more per call than global reads (about 45 again
 plain parameters: CPython specializes a call only to a function without ``*args``, ``**kwargs`` or
 keyword-only parameters; a keyword-only parameter (another release's keyword, such as 0.19's
 ``with_gtp_remat`` under 0.16) makes every call of that accessor a generic one, about twice the
-cost of a call without arguments (benchmarks/bench_accessors.py's direct-call column).
+cost of a call without arguments (`python -m benchmarks.bench_accessors --direct`).
 """
 
 from __future__ import annotations
@@ -56,20 +56,24 @@ _SHAPES: dict[Any, types.FunctionType] = {}
 def _parameters(reference: Callable[..., Any], name: str
                 ) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]], str | None]:
     """(positional, keyword-only, var-positional name) of ``name``'s twin: the release table's, else the reference's."""
-    params = inspect.signature(reference).parameters
+    # Read from the code object, not inspect.signature: this runs for every accessor at import.
+    code = reference.__code__
+    if code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS) or code.co_posonlyargcount:
+        raise ValueError(f"{name}: no fast path for the parameters {inspect.signature(reference)}")
+    positional = list(code.co_varnames[:code.co_argcount])
+    keyword_only = list(code.co_varnames[code.co_argcount:code.co_argcount + code.co_kwonlyargcount])
     if name in SIGNATURES:
         rows = SIGNATURES[name]
-        if {p.name for p in rows} != set(params):
-            raise ValueError(f"{name}: the reference's parameters {list(params)} are not the release table's "
-                             f"{[p.name for p in rows]}")
-        beyond = releases.beyond()
+        if {p.name for p in rows} != {*positional, *keyword_only}:
+            raise ValueError(f"{name}: the reference's parameters {positional + keyword_only} are not the release "
+                             f"table's {[p.name for p in rows]}")
         return ([(p.name, p.default) for p in releases.positional(name)],
-                [(p.name, p.default) for p in releases.keyword_only(name)], beyond)
-    default = {p.name: REQUIRED if p.default is p.empty else p.default for p in params.values()}
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY) for p in params.values()):
-        raise ValueError(f"{name}: no fast path for the parameters {inspect.signature(reference)}")
-    return ([(n, default[n]) for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD],
-            [(n, default[n]) for n, p in params.items() if p.kind is p.KEYWORD_ONLY], None)
+                [(p.name, p.default) for p in releases.keyword_only(name)], releases.beyond())
+    defaults = reference.__defaults__ or ()
+    required = len(positional) - len(defaults)
+    kwdefaults = reference.__kwdefaults__ or {}
+    return ([(n, REQUIRED if i < required else defaults[i - required]) for i, n in enumerate(positional)],
+            [(n, kwdefaults.get(n, REQUIRED)) for n in keyword_only], None)
 
 
 def _turned_on(name: str, variant: str, names: set[str]) -> frozenset[str]:
