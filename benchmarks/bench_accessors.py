@@ -53,9 +53,15 @@ def label(row: Row) -> str:
     return name + ("(" + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")" if kwargs else "")
 
 
-def _call(module: Any, row: Row) -> Callable[[], Any] | str:
-    """The row's call on ``module``, or why there is none: "missing" or "raises <type>: <message>"."""
+def _call(module: Any, row: Row, direct: bool = False) -> Callable[[], Any] | str:
+    """The row's call on ``module``, or why there is none: "missing" or "raises <type>: <message>".
+
+    The call goes through a ``functools.partial`` (a call from C, the same for both), or, with
+    ``direct``, is written out as the statement ``fn(keyword=value)`` of a timeit loop: a call from
+    Python code, as user code makes it, which CPython specializes where the callee allows.
+    """
     import functools
+    import timeit
     import warnings
 
     name, kwargs = row
@@ -63,6 +69,10 @@ def _call(module: Any, row: Row) -> Callable[[], Any] | str:
     if fn is None:
         return "missing"
     call = functools.partial(fn, **kwargs)  # both implementations pay the same partial
+    if direct:
+        statement = f"fn({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+        timer = timeit.Timer(statement, globals={"fn": fn})
+        call.timeit = timer.timeit  # type: ignore[attr-defined]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -72,28 +82,31 @@ def _call(module: Any, row: Row) -> Callable[[], Any] | str:
     return call
 
 
-def _measure(modules: dict[str, Any], rows: list[Row], calls: int, repeat: int) -> dict[str, dict[str, Any]]:
+def _measure(modules: dict[str, Any], rows: list[Row], calls: int, repeat: int, direct: bool = False
+             ) -> dict[str, dict[str, Any]]:
     """Each implementation's ns per call for each row (or why it has none), the two taking turns."""
+    import functools
     import timeit
     import warnings
 
     out: dict[str, dict[str, Any]] = {impl: {} for impl in modules}
     for row in rows:
-        found = {impl: _call(module, row) for impl, module in modules.items()}
+        found = {impl: _call(module, row, direct) for impl, module in modules.items()}
         best = {impl: float("inf") for impl in modules}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # megatron-core warns on every call of its deprecated names
             for _ in range(repeat):
                 for impl, call in found.items():
                     if callable(call):
-                        best[impl] = min(best[impl], timeit.timeit(call, number=calls) / calls * 1e9)
+                        timed = getattr(call, "timeit", None) or functools.partial(timeit.timeit, call)
+                        best[impl] = min(best[impl], timed(number=calls) / calls * 1e9)
         for impl, call in found.items():
             out[impl][label(row)] = best[impl] if callable(call) else call
     return out
 
 
 def _worker(rank: int, world: int, port: int, cp: int, pp: int, rows: list[Row], calls: int,
-            repeat: int) -> dict[str, Any]:
+            repeat: int, direct: bool = False) -> dict[str, Any]:
     """One rank: initialize, time (rank 0), destroy; parallel_state first, then megatron-core."""
     import importlib
     import warnings
@@ -111,7 +124,7 @@ def _worker(rank: int, world: int, port: int, cp: int, pp: int, rows: list[Row],
         modules[impl].initialize_model_parallel(context_parallel_size=cp, pipeline_model_parallel_size=pp,
                                                 distributed_timeout_minutes=5)
     dist.barrier()
-    result = _measure(modules, rows, calls, repeat) if rank == 0 else {}
+    result = _measure(modules, rows, calls, repeat, direct) if rank == 0 else {}
     dist.barrier()
     for module in modules.values():
         module.destroy_model_parallel()
@@ -121,15 +134,22 @@ def _worker(rank: int, world: int, port: int, cp: int, pp: int, rows: list[Row],
 
 
 def run_world(world: int, cp: int, pp: int, rows: list[Row], calls: int, repeat: int,
-              timeout: float) -> dict[str, Any]:
+              timeout: float, direct: bool = False) -> dict[str, Any]:
     """Start ``world`` rank processes and return rank 0's figures."""
     import json
 
 
     outputs = run_ranks("benchmarks.bench_accessors", world, lambda r: [
         "--worker", "--rank", str(r), "--world", str(world), "--cp", str(cp), "--pp", str(pp), "--calls", str(calls),
-        "--repeat", str(repeat), "--rows", json.dumps(rows)], timeout=timeout, what="bench_accessors")
+        "--repeat", str(repeat), "--rows", json.dumps(rows), *(["--direct"] if direct else [])], timeout=timeout,
+        what="bench_accessors")
     return parse(outputs[0], "bench_accessors rank 0")
+
+
+def _geomean(values: list[float]) -> float:
+    import math
+
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--calls", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--direct", action="store_true",
+                        help="time calls written in Python code (fn(...) in the timing loop) rather than through "
+                             "functools.partial: how user code calls, where CPython specializes the call")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for the world")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -150,10 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         rows = [(name, kwargs) for name, kwargs in json.loads(args.rows)]
-        emit(_worker(args.rank, args.world, args.port, args.cp, args.pp, rows, args.calls, args.repeat))
+        emit(_worker(args.rank, args.world, args.port, args.cp, args.pp, rows, args.calls, args.repeat,
+                     args.direct))
         return 0
     rows = accessor_rows()
-    figures = run_world(args.world, args.cp, args.pp, rows, args.calls, args.repeat, args.timeout)
+    figures = run_world(args.world, args.cp, args.pp, rows, args.calls, args.repeat, args.timeout, args.direct)
     ours, theirs = figures["parallel_state"], figures["megatron-core"]
     table_rows, skipped = [], []
     for row in rows:
@@ -170,8 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     notes = [
         f"Rank 0 of {args.world} gloo ranks, cp={args.cp} x pp={args.pp}, each implementation after its own "
         f"initialize_model_parallel; best of {args.repeat} x {args.calls:,} calls, ns per call including the loop "
-        f"and a functools.partial (equal for both). 'megatron / ours' above 1: parallel_state is faster. "
-        f"{len(timed)} of {len(table_rows)} accessors timed on both sides.",
+        f"and {'the call written in the loop (as user code calls)' if args.direct else 'a functools.partial'} "
+        f"(equal for both). 'megatron / ours' above 1: parallel_state is faster. "
+        f"{len(timed)} of {len(table_rows)} accessors timed on both sides; geometric mean of megatron / ours: "
+        f"{_geomean([theirs[r[0]] / ours[r[0]] for r in timed]):.2f}x.",
     ]
     if skipped:
         notes.append("Skipped, raising on megatron-core's side in this topology: " + "; ".join(skipped) + ".")

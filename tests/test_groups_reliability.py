@@ -350,7 +350,8 @@ INIT_ROWS = {
     "ep-not-dividing": (dict(expert_model_parallel_size=3), ParallelStateError,
                         "not divisible by expert tp*ep*pp = 1*3*1 = 3"),
     "ep-pp-order": (dict(expert_model_parallel_size=2, pp_size=2, order="tp-cp-ep-pp-dp"), AssertionError,
-                    "must have the decoder's data-parallel size"),
+                    "When not using pp-last rank ordering, the data parallel size of the attention and moe layers "
+                    "must be the same"),  # megatron-core's first check (dp 2, expert dp 1), quoted
     "ep-str": (dict(expert_model_parallel_size="2"), TypeError, "expert_model_parallel_size must be a positive int"),
     "ep-zero": (dict(expert_model_parallel_size=0), ParallelStateError, "expert_model_parallel_size must be >= 1"),
     "etp-not-dividing": (dict(expert_tensor_parallel_size=3), ParallelStateError, "expert tp*ep*pp = 3*1*1 = 3"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from parallel_state.megatron import compiled
@@ -15,7 +17,8 @@ def _reference(with_context_parallel=False, partial_data_parallel=False):
 
 def test_fast_twin_reads_answers_and_falls_back_to_the_reference():
     fast = compiled.compile_accessor(_reference, {"default": "test.default", "cp": "test.cp"}, name="probe")
-    assert (fast.__name__, fast.__doc__) == ("probe", _reference.__doc__)
+    assert (fast.__name__, fast.__doc__, fast.__code__.co_name) == ("probe", _reference.__doc__, "probe")
+    assert inspect.signature(fast) == inspect.signature(_reference) and not hasattr(fast, "__signature__")
     assert fast() == ("reference", False, False)  # no answer yet
     ANSWERS.update({"test.default": "d", "test.cp": "c"})
     try:
@@ -29,22 +32,32 @@ def test_fast_twin_reads_answers_and_falls_back_to_the_reference():
         del ANSWERS["test.default"], ANSWERS["test.cp"]
         compiled.refresh()
     assert fast() == ("reference", False, False)  # emptied again
+    # The generated source is readable where tracebacks and debuggers look for it.
+    assert "return a_cp" in inspect.getsource(fast)
 
 
-def test_compile_accessor_refuses_what_it_has_no_template_for():
-    def odd(group_size=None):
-        return group_size
-
-    with pytest.raises(ValueError, match=r"odd: no fast-path template for the parameters \['group_size'\]"):
-        compiled.compile_accessor(odd, {"default": "x"})
-
+def test_compile_accessor_refuses_what_it_cannot_make():
     def other_default(with_context_parallel=True):
         return with_context_parallel
 
-    with pytest.raises(ValueError, match="other_default: the template _t_cp has other defaults"):
-        compiled.compile_accessor(other_default, {"default": "x"})
-    with pytest.raises(ValueError, match="_reference: the template _t_cp_partial has no variant 'partial'"):
-        compiled.compile_accessor(_reference, {"partial": "x"})
+    with pytest.raises(ValueError, match="other_default: a variant turns on with_context_parallel, which does not "
+                                         "default to False"):
+        compiled.compile_accessor(other_default, {"default": "x", "cp": "y"})
+    with pytest.raises(ValueError, match="_reference: the variant 'tp_only' turns on 'tp_only', which none of its "
+                                         "parameters"):
+        compiled.compile_accessor(_reference, {"tp_only": "x"})
+
+    def varargs(*args):
+        return args
+
+    with pytest.raises(ValueError, match="varargs: no fast path for the parameters"):
+        compiled.compile_accessor(varargs, {"default": "x"})
+
+    def get_data_parallel_group(with_context_parallel, partial_data_parallel):  # a release-table accessor, short
+        return None
+
+    with pytest.raises(ValueError, match="are not the release table's"):
+        compiled.compile_accessor(get_data_parallel_group, {"default": "x"})
 
 
 def test_a_keyword_only_extension_stays_keyword_only():

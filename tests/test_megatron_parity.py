@@ -86,6 +86,24 @@ TOPOLOGIES = {  # each row exercises several features, so that megatron-core's s
 }
 
 
+#: Topologies megatron-core refuses (every release 0.16-0.19: its check that the attention and MoE layers'
+#: data-parallel sizes are equal when pp is not last, on the order as written); parallel_state must refuse
+#: them alike, an AssertionError that quotes megatron-core's message and says what to change.
+REFUSED = {
+    "tp-pp-ep-dp-ep2-pp2": ((1, 2), dict(expert_model_parallel_size=2, order="tp-pp-ep-dp")),
+    "tp2-ep2-pp2-tp-cp-ep-pp-dp": ((2, 2), dict(expert_model_parallel_size=2, order="tp-cp-ep-pp-dp")),
+    "upper-case-order-ep2-pp2": ((1, 2), dict(expert_model_parallel_size=2, order="TP-CP-EP-DP-PP")),
+}
+
+
+def _refusal(initialize, args, kwargs):
+    try:
+        initialize(*args, **kwargs)
+    except Exception as exc:
+        return type(exc).__name__, isinstance(exc, AssertionError), str(exc)
+    return None
+
+
 def _describe(value):
     """A value as ranks can compare it: groups by their members, buffers by kind."""
     import torch.distributed as dist
@@ -150,13 +168,16 @@ def _globals(module, names):
     return out
 
 
-def case_parity(topologies):
+def case_parity(topologies, refused):
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     mps = _megatron()
     names = [n for n in vars(mps) if n.startswith("_") and n.isupper() or n == "_global_process_group_list"]
-    results = {}
+    results = {"refused": {label: (_refusal(mps.initialize_model_parallel, args, kwargs),
+                                   _refusal(ps.initialize_model_parallel, args, {**kwargs, "timeout": SECONDS}),
+                                   ps.is_initialized())
+                           for label, (args, kwargs) in refused.items()}}
     for label, topology in topologies.items():
         before_groups = set(c10d._world.pg_map)
         empty = {n: getattr(mps, n) for n in names}
@@ -186,7 +207,16 @@ def case_parity(topologies):
 
 @pytest.fixture(scope="module")
 def parity(pools):
-    return pools(8).run(case_parity, TOPOLOGIES, timeout=300)
+    return pools(8).run(case_parity, TOPOLOGIES, REFUSED, timeout=300)
+
+
+@pytest.mark.parametrize("label", sorted(REFUSED))
+def test_what_megatron_refuses_is_refused_alike(parity, label):
+    for results in parity:
+        theirs, ours, left = results["refused"][label]
+        assert theirs is not None and theirs[1], theirs  # megatron-core 0.16.1 asserts
+        assert ours is not None and ours[1] and not left, ours
+        assert theirs[2] in ours[2] and "end the order with 'pp'" in ours[2]
 
 
 def _agree(theirs, ours):

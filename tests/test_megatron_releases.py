@@ -15,11 +15,14 @@ import os
 import subprocess
 import sys
 
+import megatron_releases as mr
 import pytest
 
 import parallel_state as ps
 from parallel_state import ParallelStateError, TopologyPlan
+from parallel_state.megatron import megatron_globals
 from parallel_state.topology import releases
+from parallel_state.topology.release_table import KNOWN, REQUIRED, SIGNATURES
 
 SECONDS = datetime.timedelta(seconds=30)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,6 +49,70 @@ def test_the_test_machine_mirrors_the_installed_megatron_core():
     assert releases.installed() == ".".join(version("megatron-core").split(".")[:2]) == ps.megatron_release()
 
 
+# --- the release table against each release's facts ----------------------------------------------
+
+def _public(function, release):
+    """A function's parameters in a release's data (``Class.method``: without ``self``), or None if it has none."""
+    try:
+        params = mr.signature(release, function)
+    except KeyError:
+        return None
+    return [p for p in params if p["name"] != "self"]
+
+
+def test_every_releases_signatures_are_the_tables():
+    assert mr.names() == list(KNOWN)
+    for release in KNOWN:
+        for function, rows in SIGNATURES.items():
+            data = _public(function, release)
+            table = releases.positional(function, release)
+            # The release's parameters, in its order, with its defaults: exactly the table's rows for it.
+            assert [p["name"] for p in data] == [p.name for p in table], (release, function)
+            assert [p["default"] for p in data] == [None if p.default is REQUIRED else repr(p.default)
+                                                    for p in table], (release, function)
+            assert {p.name for p in releases.keyword_only(function, release)} == {p.name for p in rows} - {
+                p["name"] for p in data}
+
+
+def test_every_function_whose_parameters_change_between_releases_has_rows():
+    changed = set()
+    for old, new in zip(KNOWN, KNOWN[1:], strict=False):
+        changed |= {f for f in mr.changed_signatures(old, new) if _public(f, old) and _public(f, new)}
+    assert changed == set(SIGNATURES), "a function whose parameters differ between releases needs rows in " \
+                                       "release_table.SIGNATURES (or has rows but no difference)"
+
+
+def test_each_releases_globals_are_the_tables():
+    for release in KNOWN:
+        module = set(mr.release(release)["globals"]["module"])
+        ours = {name for name in megatron_globals.NAMES if releases.has_global(name, release)}
+        assert ours == module & megatron_globals.NAMES, release
+        assert not module - megatron_globals.NAMES, f"globals of {release} that parallel_state does not serve"
+    assert releases.has_global("_GTP_WEIGHT_REMAT_GROUP", "0.20") is None  # unknown: the module's own
+
+
+def test_the_installed_016_signatures_are_the_tables():
+    import megatron.core.parallel_state as mps
+
+    for function in SIGNATURES:
+        owner, _, method = function.partition(".")
+        theirs = inspect.signature(getattr(getattr(mps, owner), method) if method else getattr(mps, function))
+        want = [(p.name, p.default) for p in releases.positional(function, "0.16")]
+        got = [(p.name, REQUIRED if p.default is p.empty else p.default) for p in theirs.parameters.values()
+               if p.name != "self"]
+        assert got == want, function
+
+
+def test_no_public_function_pastes_a_signature():
+    for name in dir(ps):
+        obj = getattr(ps, name)
+        for fn in (obj, getattr(obj, "__init__", None)) if inspect.isclass(obj) else (obj,):
+            if inspect.isfunction(fn) and fn.__module__.startswith("parallel_state"):
+                assert "__signature__" not in vars(fn), name
+                kinds = {p.kind for p in inspect.signature(fn).parameters.values()}
+                assert inspect.Parameter.VAR_KEYWORD not in kinds, name
+
+
 _PROBE = r"""
 import datetime, inspect, json, os, sys
 import torch.distributed as dist
@@ -56,6 +123,23 @@ names = ["initialize_model_parallel", "get_data_parallel_group", "get_data_paral
          "get_expert_data_parallel_group", "get_expert_data_parallel_rank"]
 out["signatures"] = {n: [[p.name, p.kind.name] for p in inspect.signature(getattr(ps, n)).parameters.values()]
                      for n in names}
+def target(function):
+    owner, _, method = function.partition(".")
+    return getattr(getattr(ps, owner), method) if method else getattr(ps, function)
+def positional(function):
+    return [p.name for p in inspect.signature(target(function)).parameters.values()
+            if p.kind.name == "POSITIONAL_OR_KEYWORD" and p.name != "self"]
+def refused(function, count):
+    fn = target(function)
+    try:  # one positional value too many: refused before anything runs (a method gets its self first)
+        fn(*range(count + 1 + (fn.__name__ == "__init__")))
+    except TypeError:
+        return True
+    except Exception:
+        return False
+    return False
+from parallel_state.topology.release_table import SIGNATURES
+out["table"] = {f: [positional(f), refused(f, len(positional(f)))] for f in SIGNATURES}
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 ps.initialize_model_parallel(timeout=datetime.timedelta(seconds=20))
 def outcome(fn, *args):
@@ -83,9 +167,17 @@ def _probe(release, tmp_path):
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_a_process_follows_the_release_it_declares(tmp_path):
-    out = _probe("0.19", tmp_path)
-    assert out["release"] == "0.19"
+@pytest.mark.parametrize("release", ["0.18", "0.19"])
+def test_a_process_binds_as_the_release_it_declares(tmp_path, release):
+    out = _probe(release, tmp_path)
+    assert out["release"] == release
+    # Every table function takes exactly the release's parameters positionally, in its order (its data's).
+    for function, (positional, refused) in out["table"].items():
+        assert positional == [p["name"] for p in _public(function, release)], function
+        assert refused, f"{function} accepts a positional value beyond megatron-core {release}'s parameters"
+    if release == "0.18":
+        assert out["dp(True, True, True)"].startswith("TypeError")  # independent_all_gather ended at 0.17
+        return
     positional = {n: [p for p, kind in sig if kind == "POSITIONAL_OR_KEYWORD"] for n, sig in out["signatures"].items()}
     assert positional["initialize_model_parallel"][9:11] == ["gtp_remat_size", "expert_gtp_remat_size"]
     assert positional["get_data_parallel_group"][:3] == ["with_context_parallel", "with_gtp_remat",
@@ -102,8 +194,8 @@ def test_an_unknown_release_takes_only_the_positions_every_release_shares(tmp_pa
     positional = {n: [p for p, kind in sig if kind == "POSITIONAL_OR_KEYWORD"] for n, sig in out["signatures"].items()}
     assert len(positional["initialize_model_parallel"]) == 9
     assert positional["get_data_parallel_group"] == ["with_context_parallel"]
-    assert out["dp(False, True)"].startswith("TypeError") and releases.ENV in out["dp(False, True)"]
-    assert out["edp_rank(True)"].startswith("TypeError")
+    assert out["dp(False, True)"].startswith("ParallelStateTypeError") and releases.ENV in out["dp(False, True)"]
+    assert out["edp_rank(True)"].startswith("ParallelStateTypeError")
 
 
 def test_the_installed_release_binds_positional_getters_as_it_does():
@@ -116,6 +208,11 @@ def test_the_installed_release_binds_positional_getters_as_it_does():
         "with_context_parallel", "partial_data_parallel", "independent_all_gather", "with_gtp_remat"]
     with pytest.raises(TypeError, match="multiple values for argument 'partial_data_parallel'"):
         ps.get_data_parallel_group(True, False, partial_data_parallel=True)
+    # 0.19's keyword works here, keyword-only: a fourth positional value is refused, as 0.16 refuses it.
+    with pytest.raises(AssertionError, match="not initialized"):  # accepted: it asks for the groups
+        ps.get_data_parallel_group(with_gtp_remat=False)
+    with pytest.raises(TypeError, match="from 0 to 3 positional arguments but 4 were given"):
+        ps.get_data_parallel_group(False, False, False, True)
 
 
 # --- gtp_remat on real ranks -------------------------------------------------------------------------

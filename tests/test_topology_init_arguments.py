@@ -135,7 +135,39 @@ def test_the_plan_and_the_subset_come_from_the_validated_value():
         InitArguments(rank_offset=4, local_world_size=8).validated().subset(8)
 
 
-def test_initialize_model_parallel_shows_the_signature_of_the_release_in_use():
+def test_initialize_model_parallel_has_the_signature_of_the_release_in_use():
     import parallel_state as ps
 
-    assert inspect.signature(ps.initialize_model_parallel) == InitArguments.signature(releases.in_use())
+    fn = ps.initialize_model_parallel
+    assert inspect.signature(fn) == InitArguments.signature(releases.in_use()) and "__signature__" not in vars(fn)
+    assert fn.__code__.co_argcount == len(InitArguments.positional()) == 20  # a plain def: Python binds it
+    assert "InitArguments.from_call" in inspect.getsource(fn)
+    with pytest.raises(TypeError, match="from 0 to 20 positional arguments but 21 were given"):
+        fn(*range(21))
+
+
+def test_a_call_binds_aliases_onto_megatrons_parameters():
+    assert InitArguments.from_call({"tp_size": 2, "cp_size": None}).tensor_model_parallel_size == 2
+    # The parameter at its default is not a second spelling; another value is.
+    assert InitArguments.from_call({"tensor_model_parallel_size": 1, "tp_size": 4}).spelled == ("tp_size",)
+    with pytest.raises(ParallelStateTypeError, match="got both context_parallel_size=2 and its alias cp_size=4"):
+        InitArguments.from_call({"context_parallel_size": 2, "cp_size": 4})
+
+
+def test_one_validation_names_the_sizes_as_each_caller_spells_them():
+    # The same rule, under initialize_model_parallel's names (or the alias used) and under the plan's.
+    cases = [(dict(tensor_model_parallel_size=0), dict(tp=0), "{} must be >= 1", ("tensor_model_parallel_size",
+                                                                                  "tp size")),
+             (dict(expert_gtp_remat_size="2"), dict(egtp="2"), "{} must be a positive int",
+              ("expert_gtp_remat_size", "expert gtp_remat size")),
+             (dict(context_parallel_size=2, hierarchical_context_parallel_sizes=[4]), dict(cp=2, hierarchical_cp=[4]),
+              "{}multiply to 4, not context_parallel_size=2", ("", "")),
+             (dict(gtp_remat_size=2, num_distributed_optimizer_instances=2), dict(gtp=2, dist_opt_instances=2),
+              "{}supports generalized tensor parallelism with one optimizer instance only", ("", ""))]
+    for init, plan, message, (init_name, plan_name) in cases:
+        with pytest.raises(ParallelStateError, match=message.format(init_name)):
+            InitArguments(**init).validated()
+        with pytest.raises(ParallelStateError, match=message.format(plan_name)):
+            TopologyPlan(8, **plan)
+    with pytest.raises(ParallelStateError, match="pp_size must be >= 1"):
+        InitArguments.from_call({"pp_size": 0}).validated()

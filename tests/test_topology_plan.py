@@ -30,8 +30,11 @@ def _megatron_generators(ws, tp, cp, pp, ep, etp, order):
 
     decoder = RankGenerator(tp=tp, ep=1, dp=ws // (tp * cp * pp), pp=pp, cp=cp, order=order)
     expert = RankGenerator(tp=etp, ep=ep, dp=ws // (etp * ep * pp), pp=pp, cp=1, order=order)
+    # megatron-core's two assertions on these generators, in its order (it tests the order as written).
+    if not (order.endswith("pp") or pp == 1 or expert.dp == decoder.dp):
+        raise AssertionError("does not end with 'pp'")
     if decoder.get_ranks("pp") != expert.get_ranks("pp"):
-        raise AssertionError("megatron-core refuses this layout")
+        raise AssertionError("must have the decoder")
     return decoder, expert
 
 
@@ -41,14 +44,14 @@ def test_every_grid_kind_matches_megatron_rank_generators():
         etp = 1 if tp > 1 and ep > 1 else tp  # an etp different from tp, where it fits
         try:
             decoder, expert = _megatron_generators(ws, tp, cp, pp, ep, etp, order)
-        except AssertionError:
+        except AssertionError as refused:
             if ep == 1 and etp == tp:
                 # megatron-core refuses pp before dp with cp; with no experts we lay them over the decoder.
                 plan = TopologyPlan(ws, tp=tp, cp=cp, pp=pp, order=order)
                 assert [plan.group_ranks(k, 1 % ws) for k in ("etp", "etp-ep-pp", "edp")] == \
                     [plan.group_ranks(k, 1 % ws) for k in ("tp", "tp-pp", "dp-cp")]
                 continue
-            with pytest.raises(ParallelStateAssertionError, match="must have the decoder"):
+            with pytest.raises(ParallelStateAssertionError, match=str(refused)):
                 TopologyPlan(ws, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
             continue
         except RuntimeError as exc:
@@ -150,7 +153,10 @@ def test_missing_tokens_are_appended_in_megatron_order():
     (dict(world_size=8, cp=2, hierarchical_cp=[2, 0]), "hierarchical context-parallel size must be >= 1"),
     (dict(world_size=8, dist_opt_instances=3), "must divide the data-parallel sizes"),
     (dict(world_size=3, cp=3, hybrid_cp=True), "hybrid_context_parallel needs an even number"),
-    (dict(world_size=8, tp=2, ep=2, pp=2, order="tp-cp-ep-pp-dp"), "must have the decoder's data-parallel size"),
+    (dict(world_size=8, cp=2, ep=2, pp=2, order="tp-cp-pp-ep-dp"), "must have the decoder's data-parallel size"),
+    # megatron-core's first assertion, before its pipelines are compared (issue 30's case: dp 4, expert dp 2).
+    (dict(world_size=8, tp=2, ep=2, pp=2, order="tp-cp-ep-pp-dp"), "does not end with 'pp' and pp is 2"),
+    (dict(world_size=8, pp=2, ep=2, order="tp-pp-ep-dp"), "dp is 4 and expert dp is 2: end the order with 'pp'"),
     (dict(world_size=8, cp=0), "cp size must be >= 1, got 0"),
     (dict(world_size=8, pp=-2), "pp size must be >= 1"),
     (dict(world_size=0), "world_size must be >= 1"),

@@ -3,12 +3,15 @@
 The answers (``parallel_state.megatron.answers``) are computed when the groups are built and when an
 override changes, so a call costs one dict lookup; arguments are validated only off the
 default path. Most accessors repeat one of a few shapes and are made by the factories below,
-one line each, with megatron-core's parameter names and defaults.
+one line each, with megatron-core's parameter names and defaults. Where the parameters differ
+between megatron-core releases, the reference below takes every release's, without defaults: the
+accessor's signature (the release in use's positional parameters in its order, the others
+keyword-only, with their defaults) is the release table's (``release_table.SIGNATURES``), and its
+fast twin (``compiled``) passes every argument to the reference by keyword.
 """
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from typing import Any, Callable
 
@@ -16,51 +19,8 @@ from parallel_state.errors import ParallelStateAssertionError
 from parallel_state.groups import state as _st
 from parallel_state.megatron.answers import ANSWERS as _A
 from parallel_state.megatron.answers import lookup as _lookup
-from parallel_state.megatron.compiled import compile_accessor, compile_passthrough
-from parallel_state.topology import releases
+from parallel_state.megatron.compiled import compile_accessor
 from parallel_state.topology.arguments import flag, non_negative_int, positive_int
-
-#: Accessors whose parameters differ between megatron-core releases: (name, since, until) in the
-#: releases' merged order. 0.19 inserted with_gtp_remat before the partial flags, so a positional
-#: value there means another parameter in 0.19 than before: the release in use decides
-#: (``releases.in_use()``), and the signature shows its order.
-RELEASE_PARAMETERS: dict[str, tuple[tuple[str, str, str | None], ...]] = {
-    "get_data_parallel_group": (("with_context_parallel", "0.16", None), ("with_gtp_remat", "0.19", None),
-                                ("partial_data_parallel", "0.16", None), ("independent_all_gather", "0.16", "0.17")),
-    **{name: (("with_context_parallel", "0.16", None), ("with_gtp_remat", "0.19", None),
-              ("partial_data_parallel", "0.16", None))
-       for name in ("get_data_parallel_rank", "get_data_parallel_world_size")},
-    "get_expert_data_parallel_group": (("check_initialized", "0.16", None), ("with_gtp_remat", "0.19", None),
-                                       ("partial_expert_data_parallel", "0.16", None)),
-    **{name: (("with_gtp_remat", "0.19", None), ("partial_expert_data_parallel", "0.16", None))
-       for name in ("get_expert_data_parallel_rank", "get_expert_data_parallel_world_size")},
-}
-
-
-def _by_release(name: str, lead: int, args: tuple[Any, ...], given: dict[str, Any],
-                defaults: dict[str, Any]) -> dict[str, Any]:
-    """``given`` keyword values with ``args`` (the positional values after the first ``lead``) bound in
-    the order of the release in use."""
-    release = releases.in_use()
-    order = releases.positional(RELEASE_PARAMETERS[name], release)
-    if lead + len(args) > len(order):
-        raise TypeError(releases.too_many(f"{name}()", len(order), lead + len(args), release))
-    out = dict(given)
-    for key, value in zip(order[lead:], args, strict=False):
-        if given[key] is not defaults[key]:
-            raise TypeError(f"{name}() got multiple values for argument {key!r}")
-        out[key] = value
-    return out
-
-
-def _release_signature(fn: Callable[..., Any], name: str) -> inspect.Signature:
-    """``fn``'s signature with the positional parameters of the release in use, in its order; the rest keyword-only."""
-    params = inspect.signature(fn).parameters
-    order = releases.positional(RELEASE_PARAMETERS[name], releases.in_use())
-    out = [params[n].replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in order]
-    out += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for n, p in params.items()
-            if n not in order and p.kind is not p.VAR_POSITIONAL]
-    return inspect.Signature(out, return_annotation=inspect.signature(fn).return_annotation)
 
 #: reference accessor -> its fast path (variant -> answer key), compiled at the end of the module.
 _FAST: dict[Callable[..., Any], dict[str, str]] = {}
@@ -106,22 +66,11 @@ def _dp_key(what: str, with_context_parallel: Any, partial_data_parallel: Any, w
 
 
 def _dp_number(what: str, doc: str) -> Callable[..., int]:
-    key, name = f"gtp-dp.{what}", f"get_data_parallel_{'world_size' if what == 'size' else what}"
-
-    def get(with_context_parallel: bool = False, *args: Any, with_gtp_remat: bool = True,
-            partial_data_parallel: bool = False) -> int:
-        if args:
-            kw = _by_release(name, 1, args, dict(with_gtp_remat=with_gtp_remat,
-                                                  partial_data_parallel=partial_data_parallel), _DP_DEFAULTS)
-            with_gtp_remat, partial_data_parallel = kw["with_gtp_remat"], kw["partial_data_parallel"]
+    def get(with_context_parallel: bool, with_gtp_remat: bool, partial_data_parallel: bool) -> int:
         return _lookup(_dp_key(what, with_context_parallel, partial_data_parallel, with_gtp_remat))
 
     get.__doc__ = doc
-    return _fast(get, default=key, cp=f"gtp-dp-cp.{what}", cp_partial=f"gtp-dp-cp-intra.{what}")
-
-
-_DP_DEFAULTS = {"with_gtp_remat": True, "partial_data_parallel": False, "independent_all_gather": False,
-                "partial_expert_data_parallel": False}
+    return _fast(get, default=f"gtp-dp.{what}", cp=f"gtp-dp-cp.{what}", cp_partial=f"gtp-dp-cp-intra.{what}")
 
 
 def _edp_key(what: str, with_gtp_remat: Any, partial_expert_data_parallel: Any) -> str:
@@ -131,18 +80,11 @@ def _edp_key(what: str, with_gtp_remat: Any, partial_expert_data_parallel: Any) 
 
 
 def _edp_number(what: str, doc: str) -> Callable[..., int]:
-    key, name = f"egtp-edp.{what}", f"get_expert_data_parallel_{'world_size' if what == 'size' else what}"
-
-    def get(*args: Any, with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False) -> int:
-        if args:
-            kw = _by_release(name, 0, args, dict(with_gtp_remat=with_gtp_remat,
-                                                  partial_expert_data_parallel=partial_expert_data_parallel),
-                             _DP_DEFAULTS)
-            with_gtp_remat, partial_expert_data_parallel = kw["with_gtp_remat"], kw["partial_expert_data_parallel"]
+    def get(with_gtp_remat: bool, partial_expert_data_parallel: bool) -> int:
         return _lookup(_edp_key(what, with_gtp_remat, partial_expert_data_parallel))
 
     get.__doc__ = doc
-    return _fast(get, default=key, partial=f"egtp-edp-intra.{what}")
+    return _fast(get, default=f"egtp-edp.{what}", partial=f"egtp-edp-intra.{what}")
 
 
 def _setter(key: str, param: str) -> Callable[[Any], None]:
@@ -200,28 +142,23 @@ get_expert_gtp_weight_remat_group = _group(
 get_expert_gtp_weight_remat_global_ranks = _group("egtp.ranks", "Global ranks of this rank's expert gtp_remat group.")
 
 
-def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True, with_egtp_remat: bool = False
-                                                    ) -> Any:
+def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool, with_egtp_remat: bool) -> Any:
     """This rank's expert tp x ep x pp group (merged across expert gtp_remat peers with ``with_egtp_remat``)."""
     key = "etp-ep-egtp-pp.group" if flag("with_egtp_remat", with_egtp_remat) else "etp-ep-pp.group"
     return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
+
+
 get_intra_distributed_optimizer_instance_group = _group(
     "dist-opt.group", "The group of every rank in this rank's distributed-optimizer instance.")
 get_inter_distributed_optimizer_instance_group = _group(
     "edp-inter.group", "The group spanning the distributed-optimizer instances (one rank of each).")
 
 
-def get_data_parallel_group(with_context_parallel: bool = False, *args: Any, with_gtp_remat: bool = True,
-                            partial_data_parallel: bool = False, independent_all_gather: bool = False) -> Any:
+def get_data_parallel_group(with_context_parallel: bool, with_gtp_remat: bool, partial_data_parallel: bool,
+                            independent_all_gather: bool) -> Any:
     """This rank's data-parallel group: dp x cp with ``with_context_parallel``; spanning gtp_remat unless
     ``with_gtp_remat=False`` (0.19: the replicate group); its instance's part, or 0.16/0.17's separate
     all-gather group, on request."""
-    if args:
-        kw = _by_release("get_data_parallel_group", 1, args, dict(
-            with_gtp_remat=with_gtp_remat, partial_data_parallel=partial_data_parallel,
-            independent_all_gather=independent_all_gather), _DP_DEFAULTS)
-        with_gtp_remat, partial_data_parallel = kw["with_gtp_remat"], kw["partial_data_parallel"]
-        independent_all_gather = kw["independent_all_gather"]
     cp, partial = flag("with_context_parallel", with_context_parallel), flag("partial_data_parallel", partial_data_parallel)
     if flag("independent_all_gather", independent_all_gather) and cp and not partial:
         return _lookup("dp-cp-ag.group")
@@ -276,14 +213,10 @@ def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, grou
     return groups[group_size]
 
 
-def get_expert_data_parallel_group(check_initialized: bool = True, *args: Any, with_gtp_remat: bool = True,
-                                   partial_expert_data_parallel: bool = False) -> Any:
+def get_expert_data_parallel_group(check_initialized: bool, with_gtp_remat: bool,
+                                   partial_expert_data_parallel: bool) -> Any:
     """This rank's expert data-parallel group: spanning expert gtp_remat unless ``with_gtp_remat=False``
     (0.19: the replicate group); its instance's part with ``partial_expert_data_parallel``."""
-    if args:
-        kw = _by_release("get_expert_data_parallel_group", 1, args, dict(
-            with_gtp_remat=with_gtp_remat, partial_expert_data_parallel=partial_expert_data_parallel), _DP_DEFAULTS)
-        with_gtp_remat, partial_expert_data_parallel = kw["with_gtp_remat"], kw["partial_expert_data_parallel"]
     key = _edp_key("group", with_gtp_remat, partial_expert_data_parallel)
     return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
 
@@ -469,18 +402,11 @@ for _fn, _variants in {
 }.items():
     _fast(_fn, **_variants)
 
-# Every accessor with a fast path is replaced by its compiled twin (same name, parameters, answers);
-# those whose positional order differs between releases take the order of the release in use, or,
-# for a release parallel_state does not know, no fast path and only the positions all releases share.
+# Every accessor with a fast path is replaced by its compiled twin (same name, answers; the parameters of
+# the release in use where the release table has the accessor's rows).
 for _name, _fn in list(globals().items()):
     if callable(_fn) and _fn in _FAST:
-        if _name not in RELEASE_PARAMETERS:
-            globals()[_name] = compile_accessor(_fn, _FAST[_fn], name=_name)
-        elif releases.known(releases.in_use()):
-            globals()[_name] = compile_accessor(_fn, _FAST[_fn], name=_name, positional=releases.positional(
-                RELEASE_PARAMETERS[_name], releases.in_use()))
-        else:
-            globals()[_name] = compile_passthrough(_fn, _name, _release_signature(_fn, _name))
+        globals()[_name] = compile_accessor(_fn, _FAST[_fn], name=_name)
 del _name, _fn, _variants
 
 # The short names MAGI-1 and WorldFoundry call, for the compiled accessors.

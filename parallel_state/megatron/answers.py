@@ -53,7 +53,7 @@ def _pp_at(a: Callable[[str], Any], step: int) -> int:
 
 def _all_ranks(a: Callable[[str], Any]) -> str:
     # megatron-core 0.19 puts the gtp_remat rank second; the release in use decides the format.
-    gtp = ("gtp.rank",) if releases.at_least(releases.in_use(), "0.19") else ()
+    gtp = ("gtp.rank",) if releases.behaves("all_ranks_with_gtp_remat") else ()
     return "_".join(str(a(k) or 0) for k in ("tp.rank", *gtp, "gtp-dp.rank", "cp.rank", "pp.rank", "ep.rank"))
 
 

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from parallel_state.errors import ParallelStateError
 from parallel_state.groups import state as _st
+from parallel_state.topology import releases
 
 _MEGATRON = "megatron.core.parallel_state"
 
@@ -82,9 +83,9 @@ def bridge_megatron() -> bool:
         raise ParallelStateError(clash)
     from parallel_state.megatron import megatron_globals
 
-    # Only the globals the loaded release has: each release reads its own (0.19 adds the gtp_remat
-    # ones, 0.18 drops the all-gather one).
-    values = {name: value for name, value in megatron_globals.values().items() if hasattr(mps, name)}
+    # Only the globals the loaded release has (the release table's GLOBALS: 0.19 adds the gtp_remat
+    # ones, 0.18 drops the all-gather one); for a release the table does not know, those its module has.
+    values = {name: value for name, value in megatron_globals.values().items() if _has(mps, name)}
     # Everything that can fail has run; from here on only assignments.
     for name, value in values.items():
         setattr(mps, name, value)
@@ -101,6 +102,12 @@ def bridge_megatron() -> bool:
     return True
 
 
+def _has(mps: Any, name: str) -> bool:
+    """Whether the loaded megatron-core ``mps`` has the global ``name``: the release table's answer for its release."""
+    known = releases.has_global(name, releases.installed() or releases.DEFAULT)
+    return hasattr(mps, name) if known is None else known
+
+
 def _follow_overrides() -> None:
     """Change hook: a set_* override made while bridged reaches megatron-core's _MPU_* globals too."""
     mps = sys.modules.get(_MEGATRON)
@@ -109,7 +116,7 @@ def _follow_overrides() -> None:
     from parallel_state.megatron import megatron_globals
 
     for name in megatron_globals.FROM_OVERRIDES:
-        if not hasattr(mps, name):
+        if not _has(mps, name):
             continue
         value = megatron_globals.value(name)
         setattr(mps, name, value)

@@ -2,30 +2,29 @@
 
 An accessor runs per layer and per micro-batch. ``compile_accessor`` gives a reference accessor
 (``accessors.py``, which holds the semantics: validation, errors, megatron-core's fallbacks) a
-fast twin with the same name, parameters, defaults and docstring. The twin is one of the
-templates below, written out by hand, one per parameter list megatron-core's accessors have, made
-into a function with ``types.FunctionType`` over the template's own code and a small globals
-namespace of its own: ``reference`` (the reference accessor) and one variable per variant
-(``a_default``, ``a_cp``, ...) holding its precomputed answer. A template first tests the common
-argument values (a flag that defaults to False by truth, as megatron-core does; anything else
-with ``is``) and returns that variant's answer. ``refresh`` sets the variables from the answers
-after every change of the state and removes those with no answer (nothing initialized, a kind not
-built): the read then raises NameError, and that, like any other argument values, goes to the
-reference accessor, which answers or explains. ``check_initialized`` is never tested on the fast
-path: it only decides what happens without an answer, which the reference accessor handles.
+fast twin with the same name, docstring and answers. Its parameters are the release table's for
+the release in use where the accessor has rows there (``release_table.SIGNATURES``: that release's
+positional, in its order, the other releases' keyword-only), else the reference's own. The twin is
+a plain ``def`` made from those parameters (``topology.codegen``), over a small globals namespace
+of its own: ``reference`` (the reference accessor) and one variable per variant (``a_default``,
+``a_cp``, ...) holding its precomputed answer. It first tests the common argument values, one
+parameter after another (a flag that defaults to False by truth, as megatron-core does; anything
+else with ``is``), and returns that variant's answer. ``refresh`` sets the variables from the
+answers after every change of the state and removes those with no answer (nothing initialized, a
+kind not built): the read then raises NameError, and that, like any other argument values, goes
+to the reference accessor, which answers or explains. ``check_initialized`` is never tested on the
+fast path: it only decides what happens without an answer, which the reference accessor handles.
+The twin passes every argument to the reference by keyword, so the reference needs no order.
 
 Why a namespace per twin rather than closures: a global read is what megatron-core's own accessors
 cost (its ``assert _GROUP is not None; return _GROUP``), while a closure pays to copy its cells into
 every call's frame. Measured with ``python -m benchmarks.bench_accessors`` on this project's 2-CPU
-machine: closures cost 3 to 6 ns more per call than global reads (about 45 against 40 ns), which
-left group getters such as ``is_initialized`` and ``get_virtual_pipeline_model_parallel_rank``
-behind megatron-core's; the global reads tie or win on every row (docs/benchmarks.md). Earlier the
-same functions were generated as source and run with ``exec``; this is the same code, written once,
-that a reader can step through.
+machine: closures cost 3 to 6 ns more per call than global reads (about 45 against 40 ns). Why
+plain parameters: CPython specializes a call only to a function without ``*args``, ``**kwargs`` or
+keyword-only parameters; a keyword-only parameter (another release's keyword, such as 0.19's
+``with_gtp_remat`` under 0.16) makes every call of that accessor a generic one, about twice the
+cost of a call without arguments (`python -m benchmarks.bench_accessors --direct`).
 """
-
-# The templates read names that exist only in each twin's own globals (see above).
-# ruff: noqa: F821
 
 from __future__ import annotations
 
@@ -36,345 +35,127 @@ from typing import Any, Callable
 
 from parallel_state.groups import state as _st
 from parallel_state.megatron.answers import ANSWERS
+from parallel_state.topology import codegen, releases
+from parallel_state.topology.release_table import REQUIRED, SIGNATURES
 
 #: Every variable of every fast twin: (its globals, the variable, the answer key it holds).
 _VARIABLES: list[tuple[dict[str, Any], str, str]] = []
 
-
-def _t0():
-    try:
-        return a_default
-    except NameError:  # no answer: the reference accessor explains
-        pass
-    return reference()
-
-
-def _t_ci(check_initialized=True):
-    try:
-        return a_default
-    except NameError:
-        pass
-    return reference(check_initialized)
-
-
-def _t_cp(with_context_parallel=False):
-    try:
-        if not with_context_parallel:
-            return a_default
-        if with_context_parallel is True:
-            return a_cp
-    except NameError:
-        pass
-    return reference(with_context_parallel)
-
-
-def _t_cp_ci(with_context_parallel=False, check_initialized=True):
-    try:
-        if not with_context_parallel:
-            return a_default
-        if with_context_parallel is True:
-            return a_cp
-    except NameError:
-        pass
-    return reference(with_context_parallel, check_initialized)
-
-
-def _t_kw_cp(*, with_context_parallel=False):
-    # A keyword-only extension of an accessor megatron-core has without arguments.
-    try:
-        if not with_context_parallel:
-            return a_default
-        if with_context_parallel is True:
-            return a_cp
-    except NameError:
-        pass
-    return reference(with_context_parallel=with_context_parallel)
-
-
-def _t_ci_cp(check_initialized=True, with_context_parallel=False):
-    try:
-        if not with_context_parallel:
-            return a_default
-        if with_context_parallel is True:
-            return a_cp
-    except NameError:
-        pass
-    return reference(check_initialized, with_context_parallel)
-
-
-def _t_cp_partial(with_context_parallel=False, partial_data_parallel=False):
-    try:
-        if not with_context_parallel:
-            if not partial_data_parallel:
-                return a_default
-        elif with_context_parallel is True:
-            if not partial_data_parallel:
-                return a_cp
-            if partial_data_parallel is True:
-                return a_cp_partial
-    except NameError:
-        pass
-    return reference(with_context_parallel, partial_data_parallel)
-
-
-# The data-parallel accessors take megatron-core 0.19's with_gtp_remat, which 0.19 put before the
-# partial flag. Each has two templates: megatron-core 0.16-0.18's order with with_gtp_remat last, and
-# 0.19's; the release in use picks one. Plain positional-or-keyword parameters only, because
-# CPython specializes calls to such functions alone (``*args`` or keyword-only parameters cost about
-# twice as much per call). They call the reference with keywords, so it needs no order.
-
-def _t_dp(with_context_parallel=False, partial_data_parallel=False, with_gtp_remat=True):
-    try:
-        if with_gtp_remat is True:
-            if not with_context_parallel:
-                if not partial_data_parallel:
-                    return a_default
-            elif with_context_parallel is True:
-                if not partial_data_parallel:
-                    return a_cp
-                if partial_data_parallel is True:
-                    return a_cp_partial
-    except NameError:
-        pass
-    return reference(with_context_parallel, with_gtp_remat=with_gtp_remat, partial_data_parallel=partial_data_parallel)
-
-
-def _t_dp_019(with_context_parallel=False, with_gtp_remat=True, partial_data_parallel=False):
-    try:
-        if with_gtp_remat is True:
-            if not with_context_parallel:
-                if not partial_data_parallel:
-                    return a_default
-            elif with_context_parallel is True:
-                if not partial_data_parallel:
-                    return a_cp
-                if partial_data_parallel is True:
-                    return a_cp_partial
-    except NameError:
-        pass
-    return reference(with_context_parallel, with_gtp_remat=with_gtp_remat, partial_data_parallel=partial_data_parallel)
-
-
-def _t_dp_group(with_context_parallel=False, partial_data_parallel=False, independent_all_gather=False,
-                with_gtp_remat=True):
-    try:
-        if with_gtp_remat is True and not independent_all_gather:
-            if not with_context_parallel:
-                if not partial_data_parallel:
-                    return a_default
-            elif with_context_parallel is True:
-                if not partial_data_parallel:
-                    return a_cp
-                if partial_data_parallel is True:
-                    return a_cp_partial
-    except NameError:
-        pass
-    return reference(with_context_parallel, with_gtp_remat=with_gtp_remat, partial_data_parallel=partial_data_parallel,
-                     independent_all_gather=independent_all_gather)
-
-
-def _t_dp_group_019(with_context_parallel=False, with_gtp_remat=True, partial_data_parallel=False,
-                    independent_all_gather=False):
-    try:
-        if with_gtp_remat is True and not independent_all_gather:
-            if not with_context_parallel:
-                if not partial_data_parallel:
-                    return a_default
-            elif with_context_parallel is True:
-                if not partial_data_parallel:
-                    return a_cp
-                if partial_data_parallel is True:
-                    return a_cp_partial
-    except NameError:
-        pass
-    return reference(with_context_parallel, with_gtp_remat=with_gtp_remat, partial_data_parallel=partial_data_parallel,
-                     independent_all_gather=independent_all_gather)
-
-
-def _t_amax(with_context_parallel=False, tp_only_amax_red=False):
-    try:
-        if not with_context_parallel:
-            if not tp_only_amax_red:
-                return a_default
-            if tp_only_amax_red is True:
-                return a_tp_only
-        elif with_context_parallel is True:
-            if not tp_only_amax_red:
-                return a_cp
-            if tp_only_amax_red is True:
-                return a_cp_tp_only
-    except NameError:
-        pass
-    return reference(with_context_parallel, tp_only_amax_red)
-
-
-def _t_edp(partial_expert_data_parallel=False):
-    try:
-        if not partial_expert_data_parallel:
-            return a_default
-        if partial_expert_data_parallel is True:
-            return a_partial
-    except NameError:
-        pass
-    return reference(partial_expert_data_parallel)
-
-
-def _t_edp_n(partial_expert_data_parallel=False, with_gtp_remat=True):
-    try:
-        if with_gtp_remat is True:
-            if not partial_expert_data_parallel:
-                return a_default
-            if partial_expert_data_parallel is True:
-                return a_partial
-    except NameError:
-        pass
-    return reference(with_gtp_remat=with_gtp_remat, partial_expert_data_parallel=partial_expert_data_parallel)
-
-
-def _t_edp_n_019(with_gtp_remat=True, partial_expert_data_parallel=False):
-    try:
-        if with_gtp_remat is True:
-            if not partial_expert_data_parallel:
-                return a_default
-            if partial_expert_data_parallel is True:
-                return a_partial
-    except NameError:
-        pass
-    return reference(with_gtp_remat=with_gtp_remat, partial_expert_data_parallel=partial_expert_data_parallel)
-
-
-def _t_ci_edp(check_initialized=True, partial_expert_data_parallel=False, with_gtp_remat=True):
-    try:
-        if with_gtp_remat is True:
-            if not partial_expert_data_parallel:
-                return a_default
-            if partial_expert_data_parallel is True:
-                return a_partial
-    except NameError:
-        pass
-    return reference(check_initialized, with_gtp_remat=with_gtp_remat,
-                     partial_expert_data_parallel=partial_expert_data_parallel)
-
-
-def _t_ci_edp_019(check_initialized=True, with_gtp_remat=True, partial_expert_data_parallel=False):
-    try:
-        if with_gtp_remat is True:
-            if not partial_expert_data_parallel:
-                return a_default
-            if partial_expert_data_parallel is True:
-                return a_partial
-    except NameError:
-        pass
-    return reference(check_initialized, with_gtp_remat=with_gtp_remat,
-                     partial_expert_data_parallel=partial_expert_data_parallel)
-
-
-def _t_any(*args, **kwargs):
-    # A release whose positional order parallel_state does not know: no fast path, the reference binds.
-    return reference(*args, **kwargs)
-
-
-def _t_ci_egtp(check_initialized=True, with_egtp_remat=False):
-    try:
-        if not with_egtp_remat:
-            return a_default
-        if with_egtp_remat is True:
-            return a_egtp
-    except NameError:
-        pass
-    return reference(check_initialized, with_egtp_remat)
-
-
-def _t_stage(ignore_virtual=True, vp_stage=None):
-    try:
-        if ignore_virtual is True and vp_stage is None:
-            return a_default
-    except NameError:
-        pass
-    return reference(ignore_virtual, vp_stage)
-
-
-
-#: parameter list (``*`` before keyword-only parameters, as in a signature) -> its template.
-_TEMPLATES: dict[tuple[str, ...], Callable[..., Any]] = {
-    (): _t0,
-    ("check_initialized",): _t_ci,
-    ("with_context_parallel",): _t_cp,
-    ("*", "with_context_parallel"): _t_kw_cp,
-    ("with_context_parallel", "check_initialized"): _t_cp_ci,
-    ("check_initialized", "with_context_parallel"): _t_ci_cp,
-    ("with_context_parallel", "partial_data_parallel"): _t_cp_partial,
-    ("with_context_parallel", "partial_data_parallel", "with_gtp_remat"): _t_dp,
-    ("with_context_parallel", "with_gtp_remat", "partial_data_parallel"): _t_dp_019,
-    ("with_context_parallel", "partial_data_parallel", "independent_all_gather", "with_gtp_remat"): _t_dp_group,
-    ("with_context_parallel", "with_gtp_remat", "partial_data_parallel", "independent_all_gather"): _t_dp_group_019,
-    ("with_context_parallel", "tp_only_amax_red"): _t_amax,
-    ("partial_expert_data_parallel",): _t_edp,
-    ("partial_expert_data_parallel", "with_gtp_remat"): _t_edp_n,
-    ("with_gtp_remat", "partial_expert_data_parallel"): _t_edp_n_019,
-    ("check_initialized", "partial_expert_data_parallel", "with_gtp_remat"): _t_ci_edp,
-    ("check_initialized", "with_gtp_remat", "partial_expert_data_parallel"): _t_ci_edp_019,
-    ("check_initialized", "with_egtp_remat"): _t_ci_egtp,
-    ("ignore_virtual", "vp_stage"): _t_stage,
+#: A variant's name is ``default`` or words joined by ``_``; each word turns on one flag (the one the accessor has).
+WORDS: dict[str, tuple[str, ...]] = {
+    "cp": ("with_context_parallel",), "partial": ("partial_data_parallel", "partial_expert_data_parallel"),
+    "tp_only": ("tp_only_amax_red",), "egtp": ("with_egtp_remat",),
 }
+#: Parameters the fast path does not test: they only decide what happens without an answer.
+UNTESTED = ("check_initialized",)
+
+#: The compiled code of each shape (parameters, variants), made once and shared by every accessor of that shape.
+_SHAPES: dict[Any, types.FunctionType] = {}
 
 
-def _parameter_list(params: tuple[inspect.Parameter, ...]) -> tuple[str, ...]:
-    names: list[str] = []
-    for p in params:
-        if p.kind is p.VAR_POSITIONAL:
-            names.append("*args")
-            continue
-        if p.kind is p.KEYWORD_ONLY and "*" not in names and "*args" not in names:
-            names.append("*")
-        names.append(p.name)
-    return tuple(names)
+def _parameters(reference: Callable[..., Any], name: str
+                ) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]], str | None]:
+    """(positional, keyword-only, var-positional name) of ``name``'s twin: the release table's, else the reference's."""
+    # Read from the code object, not inspect.signature: this runs for every accessor at import.
+    code = reference.__code__
+    if code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS) or code.co_posonlyargcount:
+        raise ValueError(f"{name}: no fast path for the parameters {inspect.signature(reference)}")
+    positional = list(code.co_varnames[:code.co_argcount])
+    keyword_only = list(code.co_varnames[code.co_argcount:code.co_argcount + code.co_kwonlyargcount])
+    if name in SIGNATURES:
+        rows = SIGNATURES[name]
+        if {p.name for p in rows} != {*positional, *keyword_only}:
+            raise ValueError(f"{name}: the reference's parameters {positional + keyword_only} are not the release "
+                             f"table's {[p.name for p in rows]}")
+        return ([(p.name, p.default) for p in releases.positional(name)],
+                [(p.name, p.default) for p in releases.keyword_only(name)], releases.beyond())
+    defaults = reference.__defaults__ or ()
+    required = len(positional) - len(defaults)
+    kwdefaults = reference.__kwdefaults__ or {}
+    return ([(n, REQUIRED if i < required else defaults[i - required]) for i, n in enumerate(positional)],
+            [(n, kwdefaults.get(n, REQUIRED)) for n in keyword_only], None)
 
 
-def compile_accessor(reference: Callable[..., Any], variants: dict[str, str], name: str | None = None,
-                     positional: tuple[str, ...] | None = None) -> Callable[..., Any]:
-    """``reference`` with a fast path, named ``name``: for each variant (``default``, ``cp``, ...), its answer key.
+def _turned_on(name: str, variant: str, names: set[str]) -> frozenset[str]:
+    """The flags ``variant`` turns on."""
+    if variant == "default":
+        return frozenset()
+    on, words, word = set(), [], ""
+    for part in variant.split("_"):  # the words, longest first: "cp_tp_only" is cp, tp_only
+        word = f"{word}_{part}" if word else part
+        if word in WORDS or not any(w.startswith(f"{word}_") for w in WORDS):
+            words.append(word)
+            word = ""
+    for part in words + ([word] if word else []):
+        found = [flag for flag in WORDS.get(part, ()) if flag in names]
+        if not found:
+            raise ValueError(f"{name}: the variant {variant!r} turns on {part!r}, which none of its parameters "
+                             f"{sorted(names)} is (variant words: {sorted(WORDS)})")
+        on.add(found[0])
+    return frozenset(on)
 
-    ``positional`` (for an accessor whose positional order differs between megatron-core releases)
-    is the order of the release in use: the template whose parameters start with it is taken, its
-    other parameters following; None takes the reference's own parameter list.
-    """
+
+def _test(name: str, default: Any, on: bool) -> str:
+    if on:
+        return f"{name} is True"
+    if default is False:
+        return f"not {name}"
+    if default is True or default is None:
+        return f"{name} is {default}"
+    raise ValueError(f"a fast path tests flags defaulting to False, True or None; {name} defaults to {default!r}")
+
+
+def _tree(params: list[tuple[str, Any]], variants: list[tuple[frozenset[str], str]], indent: str) -> list[str]:
+    """Nested tests, one parameter per level, each variant's return at its leaf."""
+    if not params:
+        return [f"{indent}return a_{variants[0][1]}"]
+    (name, default), rest = params[0], params[1:]
+    groups: dict[str, list[tuple[frozenset[str], str]]] = {}
+    for on, variant in variants:
+        groups.setdefault(_test(name, default, name in on), []).append((on, variant))
+    lines = []
+    for i, (test, group) in enumerate(groups.items()):
+        lines.append(f"{indent}{'elif' if i else 'if'} {test}:")
+        lines += _tree(rest, group, indent + "    ")
+    return lines
+
+
+def compile_accessor(reference: Callable[..., Any], variants: dict[str, str], name: str | None = None
+                     ) -> Callable[..., Any]:
+    """``reference``'s fast twin, named ``name``: for each variant (``default``, ``cp``, ...), its answer key."""
     name = name or reference.__name__
-    params = {p.name: p for p in inspect.signature(reference).parameters.values() if p.kind is not p.VAR_POSITIONAL}
-    if positional is None:
-        shape = _parameter_list(tuple(inspect.signature(reference).parameters.values()))
-        template = _TEMPLATES.get(shape)
-    else:
-        found = [t for key, t in _TEMPLATES.items() if key[:len(positional)] == positional and set(key) == set(params)]
-        shape, template = positional, found[0] if len(found) == 1 else None
-    if template is None:
-        raise ValueError(f"{name}: no fast-path template for the parameters {list(shape)}")
-    mine = {p.name: p.default for p in inspect.signature(template).parameters.values()}
-    if mine != {n: p.default for n, p in params.items()}:
-        raise ValueError(f"{name}: the template {template.__name__} has other defaults than {inspect.signature(reference)}")
-    return _twin(template, reference, variants, name)
+    positional, keyword_only, beyond = _parameters(reference, name)
+    names = {n for n, _ in positional + keyword_only}
+    flags = {variant: _turned_on(name, variant, names) for variant in variants}
+    for n in names & set().union(*flags.values()):
+        if dict(positional + keyword_only)[n] is not False:
+            raise ValueError(f"{name}: a variant turns on {n}, which does not default to False")
+    if len(set(flags.values())) != len(flags):
+        raise ValueError(f"{name}: two variants turn on the same flags {flags}")
+    shape = (codegen.parameter_text(positional, keyword_only, beyond), tuple(flags.items()))
+    if shape not in _SHAPES:
+        tested = [(n, d) for n, d in positional + keyword_only if n not in UNTESTED]
+        body = [f"    if {beyond}:", f"        refuse(len({beyond}))"] if beyond else []
+        if variants:
+            body += ["    try:", *_tree(tested, [(on, v) for v, on in flags.items()], " " * 8),
+                     "    except NameError:  # no answer: the reference accessor explains",
+                     "        pass"]
+        body.append(f"    return reference({', '.join(f'{n}={n}' for n, _ in positional + keyword_only)})")
+        _SHAPES[shape] = codegen.define("twin", shape[0], "\n".join(body) + "\n", {}, module=__name__)
+    return _twin(_SHAPES[shape], reference, variants, name, len(positional))
 
 
-def compile_passthrough(reference: Callable[..., Any], name: str, signature: inspect.Signature) -> Callable[..., Any]:
-    """``reference`` under ``name`` with no fast path, showing ``signature`` (a release whose order is unknown)."""
-    fast = _twin(_t_any, reference, {}, name)
-    fast.__signature__ = signature  # type: ignore[attr-defined]
-    return fast
-
-
-def _twin(template: Callable[..., Any], reference: Callable[..., Any], variants: dict[str, str], name: str
-          ) -> Callable[..., Any]:
-    namespace: dict[str, Any] = {"__builtins__": builtins, "reference": reference}
+def _twin(shape: types.FunctionType, reference: Callable[..., Any], variants: dict[str, str], name: str,
+          positional: int) -> Callable[..., Any]:
+    namespace: dict[str, Any] = {"__builtins__": builtins, "reference": reference,
+                                 "refuse": lambda extra: releases.refuse(f"{name}()", positional, extra)}
     for variant, key in variants.items():
         variable = f"a_{variant}"
-        if variable not in template.__code__.co_names:
-            raise ValueError(f"{name}: the template {template.__name__} has no variant {variant!r}")
         _VARIABLES.append((namespace, variable, key))
         if key in ANSWERS:
             namespace[variable] = ANSWERS[key]
-    fast = types.FunctionType(template.__code__, namespace, name, template.__defaults__)
-    fast.__kwdefaults__ = template.__kwdefaults__
-    fast.__qualname__, fast.__doc__, fast.__module__ = name, reference.__doc__, reference.__module__
+    fast = codegen.rebind(shape, namespace, name)
+    fast.__doc__, fast.__module__ = reference.__doc__, reference.__module__
     fast.__annotations__ = dict(reference.__annotations__)
     return fast
 

@@ -8,6 +8,7 @@ from typing import Any, Callable
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
 from parallel_state.groups import state as _st
 from parallel_state.groups.kinds import row
+from parallel_state.topology import codegen, releases
 from parallel_state.topology.init_arguments import LOCAL, InitArguments
 from parallel_state.topology.plan import TopologyPlan
 
@@ -24,8 +25,23 @@ def _nccl_options(config_path: Any, high_priority: Any) -> tuple[Callable[[str],
     return (lambda kind: get_nccl_options(row(kind).nccl, cfgs)), (lambda kind: repr(cfgs.get(row(kind).nccl)))
 
 
-def initialize_model_parallel(*args: Any, **kwargs: Any) -> None:
-    """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
+def _made_initialize_model_parallel() -> Callable[..., None]:
+    """``initialize_model_parallel`` as a plain def with the release in use's parameters (``InitArguments``')."""
+    positional = [(name, InitArguments.__dataclass_fields__[name].default) for name in InitArguments.positional()]
+    keyword_only = list(InitArguments.keyword_only())
+    beyond = releases.beyond()
+    names = [name for name, _ in positional + keyword_only]
+    body = [f"    if {beyond}:", f"        refuse(len({beyond}))"] if beyond else []
+    body.append(f"    _initialize(InitArguments.from_call({{{', '.join(f'{n!r}: {n}' for n in names)}}}))")
+    annotations = {p.name: p.annotation for p in InitArguments.signature().parameters.values()}
+    namespace = {"InitArguments": InitArguments, "_initialize": lambda args: _initialize(args),
+                 "refuse": lambda extra: releases.refuse("initialize_model_parallel()", len(positional), extra)}
+    return codegen.define("initialize_model_parallel", codegen.parameter_text(positional, keyword_only, beyond),
+                          "\n".join(body) + "\n", namespace, module=__name__, doc=_DOC,
+                          annotations={**annotations, "return": "None"})
+
+
+_DOC = """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
 
     Takes the keywords of every megatron-core release from 0.16 to 0.19, and its positional
     arguments in the order of the release in use (``parallel_state.megatron_release()``: the
@@ -41,11 +57,10 @@ def initialize_model_parallel(*args: Any, **kwargs: Any) -> None:
     ``rank_offset`` / ``local_world_size`` spell the subset ``range(rank_offset, rank_offset +
     local_world_size)``; as in megatron-core, every rank may call it, and on a rank outside that
     range it builds nothing.
-    """
-    _initialize(InitArguments.bind(args, kwargs))
+"""
 
-
-initialize_model_parallel.__signature__ = InitArguments.signature()  # type: ignore[attr-defined]
+#: The release in use's initialize_model_parallel (see ``_made_initialize_model_parallel``).
+initialize_model_parallel = _made_initialize_model_parallel()
 
 
 def _initialize(args: InitArguments) -> None:

@@ -1,11 +1,13 @@
 """``initialize_model_parallel``'s arguments as one frozen value: bound once, compared across ranks, passed on.
 
-Every parameter is a field of :class:`InitArguments`, in megatron-core's order, with the releases
-that have it (``since`` / ``until`` in the field's metadata). From that one table come the
-signature ``initialize_model_parallel`` shows for the release in use (that release's parameters
-positional, in its order; every other release's and parallel_state's own keyword-only), the
-binding of a call, what the ranks compare, the group cache's key and the topology plan. A new
-megatron-core argument is one new field here.
+Every parameter is a field of :class:`InitArguments`: one per row of the release table's
+``initialize_model_parallel`` (``release_table.SIGNATURES``, megatron-core's parameters in the
+releases' merged order, with the releases that have them), then parallel_state's own keywords.
+From those rows come the fields, the signature ``initialize_model_parallel`` has for the release in
+use (that release's parameters positional, in its order; every other release's and parallel_state's
+own keyword-only), the binding of a call, what the ranks compare, the group cache's key and the
+topology plan. A new megatron-core argument is one row of that table (and, where it changes the
+layout, its place in the plan).
 
 Binding raises what Python would (an unknown keyword, too many positional arguments, a value
 given twice) at once; the values themselves are checked by :meth:`InitArguments.validated`, after
@@ -19,8 +21,7 @@ import datetime
 import difflib
 import inspect
 import os
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from parallel_state.errors import (
     ParallelStateAssertionError,
@@ -29,23 +30,10 @@ from parallel_state.errors import (
     ParallelStateValueError,
 )
 from parallel_state.topology import arguments as a
-from parallel_state.topology import releases
-from parallel_state.topology.grid import Grid, insert_gtp_remat
+from parallel_state.topology import releases, validation
+from parallel_state.topology.grid import normalize_order
 from parallel_state.topology.plan import TopologyPlan
-
-
-def _since(release: str, default: Any = None, **kw: Any) -> Any:
-    return field(default=default, metadata={"since": release}, **kw)
-
-
-def _until(release: str, default: Any = None) -> Any:
-    return field(default=default, metadata={"until": release})
-
-
-def _own(default: Any = None) -> Any:
-    """A parallel_state keyword (keyword-only in every release)."""
-    return field(default=default, metadata={"own": True})
-
+from parallel_state.topology.release_table import SIGNATURES
 
 #: Settings the ranks may hold differently (timeouts, per-node NCCL tuning): not compared across ranks,
 #: though the group cache's key holds them.
@@ -56,43 +44,24 @@ LOCAL = frozenset({"distributed_timeout_minutes", "timeout", "nccl_communicator_
 ALIASES = {"tp_size": "tensor_model_parallel_size", "cp_size": "context_parallel_size",
            "pp_size": "pipeline_model_parallel_size"}
 
+#: parallel_state's own keywords (keyword-only in every release): (name, annotation, default, meaning).
+OWN: tuple[tuple[str, str, Any, str], ...] = (
+    ("timeout", "datetime.timedelta | None", None, "The groups' timeout, finer than distributed_timeout_minutes."),
+    ("check_consistency", "bool", True, "Compare every rank's arguments before building, and confirm every rank "
+                                        "built, through the store."),
+    ("ranks", "Sequence[int] | None", None, "The global ranks to build the topology over (None: the whole world)."),
+)
 
-@dataclass(frozen=True)
-class InitArguments:
-    """What ``initialize_model_parallel`` was called with: megatron-core 0.16-0.19's parameters and ours."""
+#: TopologyPlan's field -> the parameter that sizes it: what ``validation`` checks, under the parameter's name.
+PLAN_FIELDS = {"tp": "tensor_model_parallel_size", "cp": "context_parallel_size",
+               "pp": "pipeline_model_parallel_size", "ep": "expert_model_parallel_size",
+               "etp": "expert_tensor_parallel_size", "gtp": "gtp_remat_size", "egtp": "expert_gtp_remat_size",
+               "dist_opt_instances": "num_distributed_optimizer_instances", "order": "order",
+               "hierarchical_cp": "hierarchical_context_parallel_sizes"}
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    pipeline_model_parallel_comm_backend: str | None = None
-    use_sharp: bool = False
-    context_parallel_size: int = 1
-    hierarchical_context_parallel_sizes: Sequence[int] | None = None
-    hybrid_context_parallel: bool = False
-    expert_model_parallel_size: int = 1
-    gtp_remat_size: int = _since("0.19", 1)
-    expert_gtp_remat_size: int = _since("0.19", 1)
-    num_distributed_optimizer_instances: int = 1
-    expert_tensor_parallel_size: int | None = None
-    nccl_communicator_config_path: str | None = None
-    distributed_timeout_minutes: int = 30
-    order: str = "tp-cp-ep-dp-pp"
-    get_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None
-    get_position_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None
-    create_gloo_process_groups: bool = True
-    high_priority_stream_groups: Sequence[str] | None = None
-    sharp_enabled_group: str | None = None
-    create_all_gather_group: bool | None = _until("0.17", False)
-    rank_offset: int = _since("0.17", 0)
-    local_world_size: int | None = _since("0.17", None)
-    #: The groups' timeout, finer than distributed_timeout_minutes.
-    timeout: datetime.timedelta | None = _own()
-    #: Compare every rank's arguments before building, and confirm every rank built, through the store.
-    check_consistency: bool = _own(True)
-    #: The global ranks to build the topology over (None: the whole world).
-    ranks: Sequence[int] | None = _own()
-    #: Which of the three sizes were passed under their short name (for error messages only).
-    spelled: tuple[str, ...] = field(default=(), metadata={"internal": True}, compare=False, repr=False)
+
+class _Arguments:
+    """The methods of :class:`InitArguments` (whose fields the release table makes)."""
 
     # --- the signature of each release ---------------------------------------------------------
 
@@ -102,27 +71,25 @@ class InitArguments:
         return tuple(f for f in dataclasses.fields(cls) if not f.metadata.get("internal"))
 
     @classmethod
-    def positional(cls, release: str) -> tuple[str, ...]:
-        """The parameters ``release`` takes positionally, in its order (see ``releases.positional``)."""
-        params = [(f.name, f.metadata.get("since", releases.KNOWN[0]), f.metadata.get("until"))
-                  for f in cls.parameters() if not f.metadata.get("own")]
-        return releases.positional(params, release)
+    def positional(cls, release: str | None = None) -> tuple[str, ...]:
+        """The parameters ``release`` (default: in use) takes positionally, in its order."""
+        return tuple(p.name for p in releases.positional("initialize_model_parallel", release))
+
+    @classmethod
+    def keyword_only(cls, release: str | None = None) -> tuple[tuple[str, Any], ...]:
+        """``(name, default)`` of every keyword-only parameter in ``release``: other releases', the aliases, ours."""
+        others = [(p.name, p.default) for p in releases.keyword_only("initialize_model_parallel", release)]
+        return (*others, *((alias, None) for alias in ALIASES), *((name, default) for name, _, default, _ in OWN))
 
     @classmethod
     def signature(cls, release: str | None = None) -> inspect.Signature:
         """``initialize_model_parallel``'s signature for ``release`` (default: the release in use)."""
-        release = release or releases.in_use()
-        positional = cls.positional(release)
         by_name = {f.name: f for f in cls.parameters()}
         params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=by_name[n].default,
-                                    annotation=by_name[n].type) for n in positional]
-        keyword = [f for f in cls.parameters() if f.name not in positional]
-        params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-                   for f in keyword if not f.metadata.get("own")]
-        params += [inspect.Parameter(alias, inspect.Parameter.KEYWORD_ONLY, default=None, annotation="int | None")
-                   for alias in ALIASES]
-        params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-                   for f in keyword if f.metadata.get("own")]
+                                    annotation=by_name[n].type) for n in cls.positional(release)]
+        params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d,
+                                     annotation=by_name[n].type if n in by_name else "int | None")
+                   for n, d in cls.keyword_only(release)]
         return inspect.Signature(params, return_annotation="None")
 
     @classmethod
@@ -133,24 +100,11 @@ class InitArguments:
         positional = cls.positional(release)
         if len(args) > len(positional):
             raise ParallelStateTypeError(releases.too_many(what, len(positional), len(args), release))
-        names = {f.name for f in cls.parameters()}
+        names = {f.name for f in cls.parameters()} | set(ALIASES)
         values: dict[str, Any] = dict(zip(positional, args, strict=False))
-        spelled = []
         for key, value in kwargs.items():
-            if key in ALIASES:
-                target = ALIASES[key]
-                if value is None:
-                    continue
-                if target in values or target in kwargs:
-                    raise ParallelStateTypeError(
-                        f"{what} got both {target}={values.get(target, kwargs.get(target))!r} and its alias "
-                        f"{key}={value!r}; pass only one of them"
-                    )
-                values[target] = value
-                spelled.append(key)
-                continue
             if key not in names:
-                close = difflib.get_close_matches(key, sorted(names | set(ALIASES)), n=1)
+                close = difflib.get_close_matches(key, sorted(names), n=1)
                 raise ParallelStateTypeError(
                     f"{what} got an unexpected keyword argument {key!r}"
                     + (f"; did you mean {close[0]!r}?" if close else "")
@@ -158,7 +112,28 @@ class InitArguments:
             if key in values:
                 raise ParallelStateTypeError(f"{what} got multiple values for argument {key!r}")
             values[key] = value
-        return cls(**values, spelled=tuple(spelled))
+        return cls.from_call(values)
+
+    @classmethod
+    def from_call(cls, values: Mapping[str, Any]) -> InitArguments:
+        """The value of a call's bound arguments (``initialize_model_parallel``'s parameters, the aliases
+        among them); a parameter left out takes its default. An alias given beside its parameter set to
+        another value than its default is a TypeError."""
+        out = {k: v for k, v in values.items() if k not in ALIASES}
+        spelled = []
+        defaults = {f.name: f.default for f in cls.parameters()}
+        for alias, target in ALIASES.items():
+            value = values.get(alias)
+            if value is None:
+                continue
+            if out.get(target, defaults[target]) != defaults[target]:
+                raise ParallelStateTypeError(
+                    f"initialize_model_parallel() got both {target}={out[target]!r} and its alias {alias}={value!r}; "
+                    f"pass only one of them"
+                )
+            out[target] = value
+            spelled.append(alias)
+        return cls(**out, spelled=tuple(spelled))  # type: ignore[call-arg]
 
     # --- what the ranks compare ------------------------------------------------------------
 
@@ -184,17 +159,19 @@ class InitArguments:
 
     def _layout_order(self) -> Any:
         """The order as the decoder and expert layouts it means (tokens completed, gtp_remat placed)."""
-        try:
-            tp, cp, pp = self.tensor_model_parallel_size, self.context_parallel_size, self.pipeline_model_parallel_size
-            gtp, egtp, ep = self.gtp_remat_size, self.expert_gtp_remat_size, self.expert_model_parallel_size
-            etp = self.expert_tensor_parallel_size or tp
-            decoder = Grid(tp * cp * pp * gtp, tp=tp, cp=cp, pp=pp, gtp_remat=gtp,
-                           order=insert_gtp_remat(self.order, "tp") if gtp > 1 else self.order)
-            expert = Grid(etp * ep * pp * egtp, tp=etp, ep=ep, pp=pp, gtp_remat=egtp,
-                          order=insert_gtp_remat(self.order, "ep") if egtp > 1 else self.order)
-            return decoder.order if decoder.order == expert.order else [decoder.order, expert.order]
-        except Exception:
+        try:  # before validation (the ranks compare first): a value that is no size keeps the order as written
+            checked = validation.sizes(self._plan_values())
+            decoder_order, expert_order = checked.orders()
+            decoder = "-".join(normalize_order(decoder_order, {"tp": checked.tp, "cp": checked.cp, "pp": checked.pp,
+                                                               "gtp_remat": checked.gtp}))
+            expert = "-".join(normalize_order(expert_order, {"tp": checked.expert_tp, "ep": checked.ep,
+                                                             "pp": checked.pp, "gtp_remat": checked.egtp}))
+            return decoder if decoder == expert else [decoder, expert]
+        except ParallelStateError:
             return self.order
+
+    def _plan_values(self) -> dict[str, Any]:
+        return {name: getattr(self, param) for name, param in PLAN_FIELDS.items()}
 
     # --- the values, checked ---------------------------------------------------------------
 
@@ -203,13 +180,15 @@ class InitArguments:
         return alias or name
 
     def validated(self) -> InitArguments:
-        """The same arguments with every value checked and normalized (ints, tuples), or the error naming it."""
-        sizes = {name: a.positive_int(self._size_name(name), getattr(self, name)) for name in (
-            "tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
-            "expert_model_parallel_size", "num_distributed_optimizer_instances", "gtp_remat_size",
-            "expert_gtp_remat_size")}
+        """The same arguments with every value checked and normalized (ints, tuples), or the error naming it.
+
+        The sizes are checked by ``validation.sizes``, the rules TopologyPlan applies, under these names.
+        """
+        checked = validation.sizes(self._plan_values(), {name: self._size_name(param)
+                                                          for name, param in PLAN_FIELDS.items()})
+        sizes = {param: getattr(checked, name) for name, param in PLAN_FIELDS.items()}
         optional = {name: a.optional_positive_int(name, getattr(self, name)) for name in (
-            "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size", "local_world_size")}
+            "virtual_pipeline_model_parallel_size", "local_world_size")}
         flags = {name: a.flag(name, getattr(self, name)) for name in (
             "use_sharp", "hybrid_context_parallel", "create_gloo_process_groups", "check_consistency")}
         if self.create_all_gather_group is not None:  # Megatron's type is Optional[bool]
@@ -240,16 +219,11 @@ class InitArguments:
                 raise ParallelStateAssertionError(
                     f"sharp_enabled_group={sharp_group!r} is not a SHARP group; use 'dp' or 'dp_replica'"
                 )
-            if sharp_group == "dp_replica" and sizes["num_distributed_optimizer_instances"] == 1:
+            if sharp_group == "dp_replica" and checked.dist_opt_instances == 1:
                 raise ParallelStateAssertionError(
                     "sharp_enabled_group='dp_replica' needs num_distributed_optimizer_instances > 1 (the replica "
                     "group spans the instances)"
                 )
-        hierarchical = self.hierarchical_context_parallel_sizes
-        if hierarchical is not None and not isinstance(hierarchical, (list, tuple)):
-            raise ParallelStateTypeError(
-                f"hierarchical_context_parallel_sizes must be a list of ints or None, got {hierarchical!r}"
-            )
         offset = a.non_negative_int("rank_offset", self.rank_offset)
         if self.ranks is not None and (offset or optional["local_world_size"] is not None):
             raise ParallelStateTypeError(
@@ -260,7 +234,6 @@ class InitArguments:
         return dataclasses.replace(
             self, **sizes, **optional, **flags, pipeline_model_parallel_comm_backend=backend,
             sharp_enabled_group=sharp_group, rank_offset=offset,
-            hierarchical_context_parallel_sizes=None if hierarchical is None else tuple(hierarchical),
             high_priority_stream_groups=None if priority is None else tuple(priority),
             timeout=self.groups_timeout(),
         )
@@ -288,11 +261,7 @@ class InitArguments:
     def plan(self, world_size: int, members: tuple[int, ...] | None = None) -> TopologyPlan:
         """The topology these (validated) arguments lay out over ``world_size`` ranks (``members``, if given)."""
         return TopologyPlan(
-            world_size, tp=self.tensor_model_parallel_size, cp=self.context_parallel_size,
-            pp=self.pipeline_model_parallel_size, ep=self.expert_model_parallel_size,
-            etp=self.expert_tensor_parallel_size, gtp=self.gtp_remat_size, egtp=self.expert_gtp_remat_size,
-            order=self.order, hierarchical_cp=self.hierarchical_context_parallel_sizes,
-            dist_opt_instances=self.num_distributed_optimizer_instances, hybrid_cp=self.hybrid_context_parallel,
+            world_size, **self._plan_values(), hybrid_cp=self.hybrid_context_parallel,
             all_gather=bool(self.create_all_gather_group), embedding_ranks=self.get_embedding_ranks,
             position_embedding_ranks=self.get_position_embedding_ranks, ranks=members,
         )
@@ -303,3 +272,23 @@ class InitArguments:
             return None
         return "edp-inter" if self.sharp_enabled_group == "dp_replica" else "dp-cp"
 
+
+
+def _field(default: Any, **metadata: Any) -> Any:
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+#: One field per row of the release table's initialize_model_parallel, then ours (see the module docstring).
+InitArguments = dataclasses.make_dataclass(
+    "InitArguments",
+    [*((p.name, p.annotation, _field(p.default, since=p.since, until=p.until))
+       for p in SIGNATURES["initialize_model_parallel"]),
+     *((name, annotation, _field(default, own=True, doc=doc)) for name, annotation, default, doc in OWN),
+     # Which of the three sizes were passed under their short name (for error messages only).
+     ("spelled", "tuple[str, ...]", dataclasses.field(default=(), metadata={"internal": True}, compare=False,
+                                                      repr=False))],
+    bases=(_Arguments,), frozen=True,
+)
+InitArguments.__module__ = __name__
+InitArguments.__doc__ = ("What ``initialize_model_parallel`` was called with: megatron-core 0.16-0.19's parameters "
+                         "(one field per row of ``release_table.SIGNATURES['initialize_model_parallel']``) and ours.")

@@ -16,7 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
+from parallel_state.errors import ParallelStateError, ParallelStateTypeError
+from parallel_state.topology import validation
 from parallel_state.topology.arguments import positive_int
 from parallel_state.topology.grid import DEFAULT_ORDER, DIMS, Grid, insert_gtp_remat, normalize_order  # noqa: F401
 
@@ -113,73 +114,8 @@ class TopologyPlan:
 
     def __post_init__(self) -> None:
         world = positive_int("world_size", self.world_size)
-        tp, cp, pp = (positive_int(f"{n} size", getattr(self, n)) for n in ("tp", "cp", "pp"))
-        ep = positive_int("ep size", self.ep)
-        etp = tp if self.etp is None else positive_int("etp size", self.etp)
-        gtp, egtp = positive_int("gtp_remat size", self.gtp), positive_int("expert gtp_remat size", self.egtp)
-        if world % (tp * cp * pp * gtp):
-            gtp_part = ("*gtp_remat", f"*{gtp}") if gtp > 1 else ("", "")
-            raise ParallelStateError(
-                f"world size {world} is not divisible by tp*cp*pp{gtp_part[0]} = {tp}*{cp}*{pp}{gtp_part[1]} = "
-                f"{tp * cp * pp * gtp}; choose sizes whose product divides the world size"
-            )
-        if world % (etp * ep * pp * egtp):
-            egtp_part = ("*expert gtp_remat", f"*{egtp}") if egtp > 1 else ("", "")
-            raise ParallelStateError(
-                f"world size {world} is not divisible by expert tp*ep*pp{egtp_part[0]} = {etp}*{ep}*{pp}{egtp_part[1]} "
-                f"= {etp * ep * pp * egtp}; choose expert_tensor_parallel_size and expert_model_parallel_size whose "
-                f"product with pp divides it"
-            )
-        instances = positive_int("dist_opt_instances", self.dist_opt_instances)
-        if (gtp > 1 or egtp > 1) and instances > 1:
-            raise ParallelStateAssertionError(
-                f"gtp_remat_size={gtp} / expert_gtp_remat_size={egtp} with num_distributed_optimizer_instances="
-                f"{instances}: megatron-core 0.19 supports generalized tensor parallelism with one optimizer "
-                f"instance only; pass num_distributed_optimizer_instances=1 or gtp sizes of 1"
-            )
-        normalize_order(self.order, {"tp": tp, "cp": cp, "pp": pp, "ep": ep})  # names every size > 1
-        # The gtp_remat dimension goes where megatron-core 0.19 inserts it; of size 1 it changes no group.
-        decoder = Grid(world, tp=tp, cp=cp, pp=pp, gtp_remat=gtp,
-                       order=insert_gtp_remat(self.order, "tp") if gtp > 1 else self.order)
-        expert = Grid(world, tp=etp, ep=ep, pp=pp, gtp_remat=egtp,
-                      order=insert_gtp_remat(self.order, "ep") if egtp > 1 else self.order)
-        if decoder.signature("pp") != expert.signature("pp") and ep == 1 and etp == tp and egtp == gtp:
-            # megatron-core refuses this order (its expert layout has no cp, so its pipelines
-            # would differ from the decoder's); without expert parallelism there is nothing to
-            # lay out apart, so the expert groups are the decoder's (expert dp = dp x cp).
-            expert = decoder
-        elif decoder.signature("pp") != expert.signature("pp"):
-            with_gtp = gtp > 1 or egtp > 1
-            raise ParallelStateAssertionError(
-                f"order {self.order!r} puts pp after dp, so the expert layout (expert tp {etp} x ep {ep}"
-                f"{f' x expert gtp_remat {egtp}' if with_gtp else ''}) must have the decoder's data-parallel size "
-                f"({decoder.dp}), but it has {expert.dp}: make expert_tensor_parallel_size * expert_model_parallel_size"
-                f"{' * expert_gtp_remat_size' if with_gtp else ''} equal tp * cp{' * gtp_remat_size' if with_gtp else ''} "
-                f"({tp * cp * gtp}), or end the order with 'pp'"
-            )
-        edp = expert.dp * (cp if expert is decoder else 1)
-        if (decoder.dp * cp) % instances or edp % instances:
-            raise ParallelStateAssertionError(
-                f"num_distributed_optimizer_instances={instances} must divide the data-parallel sizes: dp x cp = "
-                f"{decoder.dp * cp} and expert dp = {edp}; pick a divisor of both"
-            )
-        hierarchical = self.hierarchical_cp
-        if hierarchical is not None:
-            if not isinstance(hierarchical, (list, tuple)):
-                raise ParallelStateTypeError(
-                    f"hierarchical_context_parallel_sizes must be a list of ints or None, got {hierarchical!r}"
-                )
-            hierarchical = tuple(positive_int("a hierarchical context-parallel size", s) for s in hierarchical)
-            if hierarchical and math.prod(hierarchical) != cp:
-                raise ParallelStateAssertionError(
-                    f"hierarchical_context_parallel_sizes {list(hierarchical)} multiply to {math.prod(hierarchical)}, "
-                    f"not context_parallel_size={cp}; give sizes whose product is {cp}"
-                )
-        if self.hybrid_cp and (decoder.dp * cp) % 2:
-            raise ParallelStateAssertionError(
-                f"hybrid_context_parallel needs an even number of dp x cp ranks, got {decoder.dp * cp}; "
-                f"change the sizes or turn hybrid context parallelism off"
-            )
+        checked = validation.sizes({k: getattr(self, k) for k in validation.PLAN_NAMES})
+        decoder, expert = validation.layout(world, checked, self.hybrid_cp)
         subset = self.ranks
         if subset is not None:
             subset = tuple(subset)
@@ -196,10 +132,12 @@ class TopologyPlan:
             fn = getattr(self, name)
             if fn is not None and not callable(fn):
                 raise ParallelStateTypeError(f"{name} must be a function of the pipeline's ranks, got {fn!r}")
-        for name, value in (("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep), ("etp", etp), ("gtp", gtp),
-                            ("egtp", egtp), ("world_size", world),
-                            ("order", decoder.order), ("hierarchical_cp", hierarchical or None),
-                            ("dist_opt_instances", instances), ("decoder", decoder), ("expert", expert)):
+        for name, value in (("tp", checked.tp), ("cp", checked.cp), ("pp", checked.pp), ("ep", checked.ep),
+                            ("etp", checked.expert_tp), ("gtp", checked.gtp), ("egtp", checked.egtp),
+                            ("world_size", world), ("order", decoder.order),
+                            ("hierarchical_cp", checked.hierarchical_cp or None),
+                            ("dist_opt_instances", checked.dist_opt_instances), ("decoder", decoder),
+                            ("expert", expert)):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "kinds", self._kind_table())
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Sequence
+from typing import Any, Sequence
 
 from parallel_state.errors import (
     ParallelStateAssertionError,
@@ -21,10 +21,11 @@ from parallel_state.errors import (
     ParallelStateTypeError,
     ParallelStateValueError,
 )
-from parallel_state.topology import releases
+from parallel_state.topology import codegen, releases
 from parallel_state.topology.arguments import flag, is_int, non_negative_int, positive_int
 from parallel_state.topology.grid import Grid, normalize_order
 from parallel_state.topology.plan import default_embedding_ranks, default_position_embedding_ranks, hybrid_sizes  # noqa: F401
+from parallel_state.topology.release_table import REQUIRED, SIGNATURES
 
 
 def _rank_list(name: str, ranks: object) -> list[int]:
@@ -56,8 +57,9 @@ class RankGenerator:
     ``gtp_remat`` token at its end when it does not name it.
     """
 
-    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0,
-                 gtp_remat: int = 1) -> None:
+    # __init__ is made below from the release table: the release in use's parameters, in its order.
+    def _build(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int,
+               gtp_remat: int) -> None:
         sizes = {name: positive_int(f"{name} size", value) for name, value in (
             ("tp", tp), ("ep", ep), ("dp", dp), ("pp", pp), ("cp", cp), ("gtp_remat", gtp_remat))}
         if sizes["ep"] > 1 and sizes["cp"] > 1:
@@ -73,7 +75,7 @@ class RankGenerator:
         # megatron-core's table, in its insertion order (the order missing tokens are appended in);
         # 0.19 adds gtp_remat, which it appends last.
         self.name_to_size = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep, "cp": self.cp}
-        if self.gtp_remat > 1 or releases.at_least(releases.in_use(), "0.19"):
+        if self.gtp_remat > 1 or releases.behaves("rank_generator_gtp_remat_token"):
             self.name_to_size["gtp_remat"] = self.gtp_remat
             tokens = normalize_order(order, sizes)
             order = "-".join(tokens if "gtp_remat" in tokens else (*tokens, "gtp_remat"))
@@ -123,6 +125,23 @@ class RankGenerator:
                 f"pass the size the generator was built with"
             )
         return self.get_ranks("gtp_remat")
+
+
+def _made_init() -> Any:
+    """``RankGenerator.__init__`` with the release in use's parameters (``release_table``), calling ``_build``."""
+    function = "RankGenerator.__init__"
+    positional = [("self", REQUIRED), *((p.name, p.default) for p in releases.positional(function))]
+    keyword_only = [(p.name, p.default) for p in releases.keyword_only(function)]
+    names = [name for name, _ in positional[1:] + keyword_only]
+    init = codegen.define("__init__", codegen.parameter_text(positional, keyword_only),
+                          f"    self._build({', '.join(f'{n}={n}' for n in names)})\n", {}, module=__name__,
+                          doc="Lay out the dimensions: sizes, the order, an offset added to every rank.",
+                          annotations={**{p.name: p.annotation for p in SIGNATURES[function]}, "return": "None"})
+    init.__qualname__ = function
+    return init
+
+
+RankGenerator.__init__ = _made_init()  # type: ignore[method-assign]
 
 
 def generate_masked_orthogonal_rank_groups(

@@ -1,8 +1,8 @@
-"""Which megatron-core release this process mirrors where releases differ: the one in use.
+"""Which megatron-core release this process mirrors where releases differ, and that release's rows.
 
 parallel_state accepts the keywords of every megatron-core release from 0.16 to 0.19. Where the
-releases disagree (the positional order of a few functions, the format of ``get_all_ranks``,
-``RankGenerator``'s order string), it follows the release in use: the one named by the
+releases disagree (the rows of ``release_table``: positional orders, globals, a format, a layout
+rule), it follows the release in use: the one named by the
 ``PARALLEL_STATE_MEGATRON_RELEASE`` environment variable (``"0.19"``), else the megatron-core that
 ``import megatron.core`` would load, else 0.16. The installed release is read from its
 ``megatron/core/package_info.py`` on ``sys.path`` (or from the module, when it is already imported),
@@ -14,12 +14,10 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Sequence
 
-from parallel_state.errors import ParallelStateValueError
+from parallel_state.errors import ParallelStateTypeError, ParallelStateValueError
+from parallel_state.topology.release_table import BEHAVIOURS, GLOBALS, KNOWN, SIGNATURES, Fact, Param
 
-#: The releases whose API parallel_state knows, oldest first.
-KNOWN: tuple[str, ...] = ("0.16", "0.17", "0.18", "0.19")
 #: The release assumed when no megatron-core is installed.
 DEFAULT = "0.16"
 ENV = "PARALLEL_STATE_MEGATRON_RELEASE"
@@ -84,21 +82,58 @@ def member(release: str, since: str = KNOWN[0], until: str | None = None) -> boo
     return at_least(release, since) and (until is None or at_least(until, release))
 
 
-def positional(params: Sequence[tuple[str, str, str | None]], release: str) -> tuple[str, ...]:
-    """The names of ``params`` (name, since, until; in the releases' merged order) ``release`` takes positionally.
+def positional(function: str, release: str | None = None) -> tuple[Param, ...]:
+    """The parameters of ``function`` (a ``SIGNATURES`` key) that ``release`` (default: in use) takes positionally.
 
     For a release parallel_state does not know, only the leading parameters every known release
     binds alike: beyond them a positional value could mean another parameter.
     """
+    release = release or in_use()
+    params = SIGNATURES[function]
     if known(release):
-        return tuple(name for name, since, until in params if member(release, since, until))
-    orders = [positional(params, r) for r in KNOWN]
+        return tuple(p for p in params if member(release, p.since, p.until))
+    orders = [positional(function, r) for r in KNOWN]
     shared = []
     for names in zip(*orders, strict=False):
         if len(set(names)) > 1:
             break
         shared.append(names[0])
     return tuple(shared)
+
+
+def keyword_only(function: str, release: str | None = None) -> tuple[Param, ...]:
+    """The parameters of ``function`` that ``release`` does not take positionally: other releases' keywords."""
+    taken = positional(function, release)
+    return tuple(p for p in SIGNATURES[function] if p not in taken)
+
+
+def _fact(facts: tuple[Fact, ...], name: str) -> Fact:
+    for fact in facts:
+        if fact.name == name:
+            return fact
+    raise KeyError(f"{name!r} is not a row of the release table; known: {[f.name for f in facts]}")
+
+
+def behaves(behaviour: str, release: str | None = None) -> bool:
+    """Whether ``release`` (default: in use) has ``behaviour``, a ``BEHAVIOURS`` row.
+
+    A release parallel_state does not know behaves as the newest known one.
+    """
+    release = release or in_use()
+    fact = _fact(BEHAVIOURS, behaviour)
+    return member(release if known(release) else KNOWN[-1], fact.since, fact.until)
+
+
+def has_global(name: str, release: str) -> bool | None:
+    """Whether megatron-core ``release`` has the module global ``name`` (rows of ``GLOBALS``; any other
+    global is in every release), or None for a release parallel_state does not know."""
+    if not known(release):
+        return None
+    try:
+        fact = _fact(GLOBALS, name)
+    except KeyError:
+        return True
+    return member(release, fact.since, fact.until)
 
 
 def too_many(what: str, limit: int, got: int, release: str) -> str:
@@ -109,3 +144,14 @@ def too_many(what: str, limit: int, got: int, release: str) -> str:
     return (f"{what} got {got} positional arguments, but beyond the first {limit} megatron-core's releases bind "
             f"them to different parameters and the release in use ({release}) is not one parallel_state knows "
             f"({', '.join(KNOWN)}): pass them by keyword, or set {ENV} to the release whose order you mean")
+
+
+def beyond(release: str | None = None) -> str | None:
+    """The name of the ``*`` parameter a generated function has after the shared positions for a release
+    parallel_state does not know (its values are refused by :func:`refuse`); None for a known release."""
+    return None if known(release or in_use()) else "beyond"
+
+
+def refuse(what: str, limit: int, extra: int) -> None:
+    """Raise the TypeError for ``extra`` positional values beyond the ``limit`` a function takes."""
+    raise ParallelStateTypeError(too_many(what, limit, limit + extra, in_use()))
