@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, NamedTuple, Protocol
 
 from parallel_state.errors import ParallelStateError
 from parallel_state.topology.grid import Grid
@@ -66,8 +66,7 @@ class TopologyPlan(Protocol):
     def _global(self, positions: tuple[int, ...]) -> tuple[int, ...]: ...
 
 
-@dataclass(frozen=True)
-class Field:
+class Field(NamedTuple):
     """A ``ProcessGroupCollection`` field: its name, its place in megatron-core 0.19's declaration
     order (``slot``) and the first release that declares it."""
 
@@ -118,6 +117,25 @@ class Kind:
     #: A numbered kind's family (``hcp``, ``hybrid``) and number (level, block size).
     family: str = ""
     number: int = 0
+    # The shape's parameters, each read by its own shape only: the kinds are one dataclass, since a
+    # dataclass per shape made importing this module cost 15 ms more (its generated methods).
+    #: GridKind: the grid ("decoder" or "expert") and its dimensions ('-'-joined tokens).
+    grid: str = "decoder"
+    dims: str = ""
+    #: Parts of another kind's groups (SplitKind, BlockKind): that kind.
+    base: str = ""
+    #: SplitKind: the radices of the split (first fastest) and the level this kind is.
+    radices: tuple[int, ...] = ()
+    level: int = 0
+    #: BlockKind: the block size.
+    block: int = 0
+    #: PickKind: "embedding" or "position_embedding".
+    which: str = ""
+    #: InstanceKind: the expert tp x ep x pp groups one instance holds.
+    runs: int = 0
+    #: Family: the members' NCCL section and group_desc template (``{number}``: the member's number).
+    member_nccl: str = ""
+    member_label: str = ""
 
     #: Whether every rank is in one of its groups (a picked kind can leave a rank out).
     everyone = True
@@ -179,12 +197,9 @@ class Kind:
         raise NotImplementedError(f"{type(self).__name__} has no signature rule")
 
 
-@dataclass(frozen=True)
 class GridKind(Kind):
     """The groups of ``dims`` (a '-'-joined set of tokens) in the decoder or the expert grid."""
 
-    grid: str = "decoder"
-    dims: str = ""
     ascending = True
 
     def bind(self, plan: TopologyPlan) -> Iterator[Kind]:
@@ -229,11 +244,8 @@ class GridKind(Kind):
         return ("separate", self.name) if self.separate else self._layout(plan).signature(self.dims)
 
 
-@dataclass(frozen=True)
 class _PartKind(Kind):
     """A kind whose groups are parts of each group of another kind, ``base``."""
-
-    base: str = ""
 
     def expert(self, plan: TopologyPlan) -> bool:
         return plan.kind(self.base).expert(plan)
@@ -248,12 +260,8 @@ class _PartKind(Kind):
                     yield g
 
 
-@dataclass(frozen=True)
 class SplitKind(_PartKind):
     """Level ``level`` of a mixed-radix split of each ``base`` group (positions, first radix fastest)."""
-
-    radices: tuple[int, ...] = ()
-    level: int = 0
 
     def _digits(self, position: int) -> tuple[int, int]:
         """The unit of the split's digit and ``position``'s digit there."""
@@ -302,7 +310,6 @@ class SplitKind(_PartKind):
         return ("split", plan.signature(self.base), self.radices, self.level)
 
 
-@dataclass(frozen=True)
 class InstanceSplit(SplitKind):
     """One distributed-optimizer instance's part of each ``base`` group (level 0) or the group
     across the instances (level 1): ``base`` split by the number of instances."""
@@ -313,11 +320,8 @@ class InstanceSplit(SplitKind):
             yield dataclasses.replace(kind, radices=(plan.group_size(self.base) // instances, instances))
 
 
-@dataclass(frozen=True)
 class BlockKind(_PartKind):
     """Contiguous blocks of ``block`` positions of each ``base`` group; the last block may be short."""
-
-    block: int = 0
 
     def ranks(self, plan: TopologyPlan, rank: int) -> tuple[int, ...]:
         base = plan.group_ranks(self.base, rank)
@@ -338,11 +342,9 @@ class BlockKind(_PartKind):
         return ("blocks", plan.signature(self.base), self.block)
 
 
-@dataclass(frozen=True)
 class PickKind(Kind):
     """The ranks a callable picks from each pipeline group (``which``: "embedding" or "position_embedding")."""
 
-    which: str = ""
     everyone = False
 
     def ranks(self, plan: TopologyPlan, rank: int) -> tuple[int, ...]:
@@ -367,11 +369,8 @@ class PickKind(Kind):
         return ("picked", self.which)
 
 
-@dataclass(frozen=True)
 class InstanceKind(Kind):
     """``runs`` consecutive expert tp-ep-pp groups (one distributed-optimizer instance), as one group."""
-
-    runs: int = 0
 
     def bind(self, plan: TopologyPlan) -> Iterator[Kind]:
         # megatron-core 0.19: with gtp_remat or expert gtp_remat the instance is the whole world (one instance).
@@ -405,14 +404,9 @@ class InstanceKind(Kind):
         return ((1, plan.world_size),) if self.runs == plan.edp else ("instance", self.runs)
 
 
-@dataclass(frozen=True)
 class Family(Kind):
     """A container of numbered kinds (megatron-core holds their groups in one list or dict global):
     not a kind of its own, the row its members are made from."""
-
-    #: The members' NCCL section and group_desc template (``{number}``: the member's number).
-    member_nccl: str = ""
-    member_label: str = ""
 
     @property
     def answer(self) -> str:
@@ -443,7 +437,6 @@ class Family(Kind):
                     hint=self.hint, family=self.name, number=number)
 
 
-@dataclass(frozen=True)
 class Levels(Family):
     """Hierarchical context parallelism: level ``number`` of each cp group, innermost first."""
 
@@ -457,7 +450,6 @@ class Levels(Family):
         return [groups[level] for level in sorted(groups)] or None
 
 
-@dataclass(frozen=True)
 class Blocks(Family):
     """Hybrid context parallelism: blocks of ``number`` ranks of each dp x cp group."""
 
