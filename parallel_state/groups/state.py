@@ -8,9 +8,8 @@ from typing import Any, Callable
 
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
 from parallel_state.groups import group_cache
-from parallel_state.groups.kinds import gloo_kinds as gloo_kinds_table
-from parallel_state.groups.kinds import row
-from parallel_state.topology.plan import GridKind, SplitKind, TopologyPlan
+from parallel_state.topology.kinds import Kind
+from parallel_state.topology.plan import TopologyPlan
 
 
 @dataclass
@@ -21,7 +20,7 @@ class ParallelState:
     rank: int
     timeout: datetime.timedelta
     #: kind -> this rank's group (None where it is in no group of the kind); one group per kind,
-    #: except where megatron-core itself shares (``kinds.KindRow.shares``).
+    #: except where megatron-core itself shares (``topology.kinds.Kind.shares``).
     groups: dict[str, Any] = field(default_factory=dict)
     #: kind -> this rank's gloo group (only with create_gloo_process_groups).
     gloo_groups: dict[str, Any] = field(default_factory=dict)
@@ -47,9 +46,8 @@ class ParallelState:
 
     def group_rank(self, kind: str) -> int:
         """This rank's index in its group of ``kind`` (torch numbers members by global rank)."""
-        if isinstance(self.plan.spec(kind), (GridKind, SplitKind)):
-            return self.plan.group_rank(kind, self.rank)  # arithmetic, no member list
-        return sorted(self.ranks(kind)).index(self.rank)
+        # Grid and split kinds answer arithmetically; the others read the member list held here.
+        return self.plan.group_rank(kind, self.rank, self._ranks.get(kind))
 
 
 _state: ParallelState | None = None
@@ -109,8 +107,8 @@ def build(
     timeout: datetime.timedelta,
     create_gloo_process_groups: bool,
     pipeline_backend: str | None = None,
-    nccl_options: Callable[[str], Any] = lambda kind: None,
-    nccl_key: Callable[[str], Any] = lambda kind: None,
+    nccl_options: Callable[[Kind], Any] = lambda kind: None,
+    nccl_key: Callable[[Kind], Any] = lambda kind: None,
     virtual_pipeline_size: int | None = None,
     sharp_kind: str | None = None,
     cache_key: str | None = None,
@@ -165,7 +163,8 @@ def build(
             _changed()
             return state
     reuse = caching and not eager_nccl()  # eager NCCL: every rank takes part in every creation
-    gloo_kinds = [k for k in gloo_kinds_table() if plan.gloo_allowed(k)] if create_gloo_process_groups else []
+    gloo_kinds = [name for name, kind in plan.kinds.items() if kind.gloo and plan.gloo_allowed(name)
+                  ] if create_gloo_process_groups else []
     # The counter span depends on the plan only, so it is the same on every rank even when
     # this build fails part-way on some of them.
     reserve = sum(plan.num_groups(k) for k in plan.kinds) + sum(plan.num_groups(k) for k in gloo_kinds)
@@ -190,8 +189,8 @@ def build(
 
 
 def extend(plan: TopologyPlan, *, timeout: datetime.timedelta | None = None,
-           nccl_options: Callable[[str], Any] = lambda kind: None,
-           nccl_key: Callable[[str], Any] = lambda kind: None) -> list[str]:
+           nccl_options: Callable[[Kind], Any] = lambda kind: None,
+           nccl_key: Callable[[Kind], Any] = lambda kind: None) -> list[str]:
     """Build the kinds ``plan`` adds to the live plan (megatron-core 0.18's all-gather groups) and make
     ``plan`` the live one; return the added kinds. Their groups take ``timeout`` (default: the
     topology's). On any error the state is as it was."""
@@ -236,8 +235,8 @@ def _abandon(batch: Any, used: list[Any]) -> None:
 
 
 def _create_kinds(state: ParallelState, batch: Any, work: list[tuple[str, str]], used: list[Any], *,
-                  pipeline_backend: str | None = None, nccl_options: Callable[[str], Any] = lambda kind: None,
-                  nccl_key: Callable[[str], Any] = lambda kind: None, sharp_kind: str | None = None,
+                  pipeline_backend: str | None = None, nccl_options: Callable[[Kind], Any] = lambda kind: None,
+                  nccl_key: Callable[[Kind], Any] = lambda kind: None, sharp_kind: str | None = None,
                   reuse: bool = False, timeout: datetime.timedelta | None = None) -> None:
     """Create (or take from the group cache) this rank's group of each ("main" | "gloo", kind) of ``work``."""
     from parallel_state.groups.create import sharp_enabled
@@ -249,20 +248,21 @@ def _create_kinds(state: ParallelState, batch: Any, work: list[tuple[str, str]],
     # kind's group does so where the plan gives both the same ranks.
     for where, kind in work:
         groups = state.groups if where == "main" else state.gloo_groups
-        shared = next((k for k in row(kind).shares if plan.same_group(kind, k)), None)
+        row = plan.kind(kind)
+        shared = next((k for k in row.shares if plan.same_group(kind, k)), None)
         if shared is not None:
             groups[kind] = groups[shared]
             state.group_keys[(where, kind)] = state.group_keys[(where, shared)]
             batch.skip(plan.num_groups(kind))
             continue
         if where == "main":
-            backend, desc = pipeline_backend if kind == "pp" else None, row(kind).label
+            backend, desc = pipeline_backend if kind == "pp" else None, row.label
         else:  # a separate gloo group even on a gloo world, as megatron-core builds it
-            backend, desc = "gloo", f"{row(kind).label}_GLOO"
+            backend, desc = "gloo", row.gloo_label
         # NCCL options go to NCCL groups only (megatron-core: none for a ucc pipeline).
         nccl = where == "main" and backend in (None, "nccl")
         sharp = where == "main" and kind == sharp_kind
-        key = (where, desc, state.ranks(kind), backend, nccl_key(kind) if nccl else None, sharp,
+        key = (where, desc, state.ranks(kind), backend, nccl_key(row) if nccl else None, sharp,
                timeout.total_seconds())
         state.group_keys[(where, kind)] = key
         cached = group_cache.find(key) if reuse and state.ranks(kind) else None
@@ -273,7 +273,7 @@ def _create_kinds(state: ParallelState, batch: Any, work: list[tuple[str, str]],
             continue
         with sharp_enabled(sharp) as enable:
             groups[kind] = enable(_create(batch, state, kind, backend=backend,
-                                          pg_options=nccl_options(kind) if nccl else None, desc=desc))
+                                          pg_options=nccl_options(row) if nccl else None, desc=desc))
 
 
 def _create(batch: Any, state: ParallelState, kind: str, **kwargs: Any) -> Any:

@@ -16,6 +16,10 @@ from typing import Any, Callable
 from parallel_state.errors import ParallelStateAssertionError
 from parallel_state.groups import state as _st
 from parallel_state.topology import releases
+from parallel_state.topology.kinds import BY_NAME, ROWS, Family
+
+#: The rows holding numbered kinds (hierarchical cp levels, hybrid blocks), whose groups one answer collects.
+FAMILIES = tuple(r for r in ROWS if isinstance(r, Family))
 
 #: Megatron's set_* values (override keys of state.overrides) -> the answers they replace.
 OVERRIDES: dict[str, tuple[str, ...]] = {
@@ -33,18 +37,11 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "expert_tensor_parallel_rank": ("etp.rank",),
 }
 
-#: Kinds whose members are picked per pipeline: a rank may be in none of their groups.
-PICKED = ("embd", "pos-embd")
-#: Kinds whose global ranks an accessor or a megatron-core global returns (the rest can hold
-#: thousands of ranks that nobody reads).
-WITH_RANKS = frozenset({"tp", "pp", "cp", "dp", "dp-cp", "tp-pp", "tp-cp", "ep", "embd", "pos-embd", "gtp", "egtp"})
-
-#: Ranks and sizes megatron-core reports as 0 while torch.distributed is not initialized.
-ZERO_WITHOUT_DIST = frozenset(f"{kind}.{what}" for kind in (
-    "dp", "dp-cp", "dp-cp-intra", "gtp-dp", "gtp-dp-cp", "gtp-dp-cp-intra", "cp", "tp-cp", "ep", "etp-ep", "edp",
-    "edp-intra", "egtp-edp", "egtp-edp-intra") for what in ("rank", "size"))
-#: Ranks and sizes megatron-core 0.19 reports as 0 whenever its group is not built (initialized or not).
-ZERO_WITHOUT_GROUPS = frozenset(f"{kind}.{what}" for kind in ("gtp", "egtp") for what in ("rank", "size"))
+#: Ranks and sizes megatron-core reports as 0 while torch.distributed is not initialized, and (0.19)
+#: whenever their group is not built: the rows' ``zero_without``.
+ZERO_WITHOUT_DIST = frozenset(f"{r.name}.{what}" for r in ROWS if r.zero_without == "dist" for what in ("rank", "size"))
+ZERO_WITHOUT_GROUPS = frozenset(f"{r.name}.{what}" for r in ROWS if r.zero_without == "groups"
+                                for what in ("rank", "size"))
 
 
 def _pp_at(a: Callable[[str], Any], step: int) -> int:
@@ -75,38 +72,15 @@ DERIVED: dict[str, Callable[[Any], Any]] = {
     "all_ranks": _all_ranks,
 }
 
-#: What to do when a kind was not built although the groups exist.
-_NOT_BUILT = {
-    "dp-cp-ag": "call parallel_state.create_all_gather_groups() (megatron-core 0.18+) or initialize with "
-                "create_all_gather_group=True (0.16, 0.17) to have the separate all-gather group",
-    "edp-ag": "call parallel_state.create_all_gather_groups(for_expert_parallelism=True) with "
-              "expert_model_parallel_size > 1 to have the expert all-gather group",
-    "edp-inter": "initialize with num_distributed_optimizer_instances > 1 to have the inter-instance group",
-    "hcp": "initialize with hierarchical_context_parallel_sizes=[...] to have hierarchical context-parallel groups",
-    "embd": "this rank holds no embedding (its pipeline stage is not one get_embedding_ranks picked)",
-    "pos-embd": "this rank holds no position embedding (its stage is not one get_position_embedding_ranks picked)",
-}
+#: How messages name the answers that are no kind's (every kind's ``title`` names it).
+OTHER_TITLES = {"vpp": "virtual pipeline"}
 
 
-#: How messages name each kind.
-LABELS = {
-    "tp": "tensor-model-parallel", "pp": "pipeline-model-parallel", "cp": "context-parallel", "dp": "data-parallel",
-    "dp-cp": "data-parallel (with context parallel)", "tp-pp": "model-parallel (tp-pp)",
-    "tp-cp": "tensor-and-context-parallel", "tp-dp": "tensor-and-data-parallel",
-    "tp-dp-cp": "tensor-and-data-parallel (with context parallel)",
-    "dp-cp-intra": "partial (one optimizer instance) data-parallel", "dp-cp-ag": "separate all-gather data-parallel",
-    "embd": "embedding", "pos-embd": "position-embedding", "ep": "expert-model-parallel",
-    "etp": "expert-tensor-parallel", "etp-ep": "expert tensor-and-model-parallel",
-    "etp-ep-pp": "expert tensor-model-pipeline-parallel", "edp": "expert data-parallel",
-    "edp-intra": "partial expert data-parallel", "edp-inter": "inter distributed-optimizer-instance",
-    "dist-opt": "intra distributed-optimizer-instance", "hcp": "hierarchical context-parallel",
-    "hybrid": "hybrid data-and-context-parallel", "vpp": "virtual pipeline",
-    "gtp": "generalized tensor-parallel (gtp_remat)", "egtp": "expert generalized tensor-parallel (gtp_remat)",
-    "gtp-dp": "data-parallel (with gtp_remat)", "gtp-dp-cp": "data-parallel (with context parallel and gtp_remat)",
-    "gtp-dp-cp-intra": "partial data-parallel (with gtp_remat)", "etp-ep-egtp-pp":
-    "expert tensor-model-pipeline-parallel (with expert gtp_remat)", "egtp-edp": "expert data-parallel (with gtp_remat)",
-    "egtp-edp-intra": "partial expert data-parallel (with gtp_remat)", "edp-ag": "expert all-gather data-parallel",
-}
+def _title(kind: str) -> str:
+    """How messages name the kind (or other answer) ``kind``."""
+    state = _st.peek()
+    row = BY_NAME.get(kind) or (state.plan.kinds.get(kind) if state is not None else None)
+    return row.title if row is not None else OTHER_TITLES.get(kind, kind)
 
 
 def lookup(key: str) -> Any:
@@ -135,16 +109,17 @@ def missing(key: str) -> Any:
         _st.current(_describe(kind, what))  # raises, saying what to call first
     if what == "gloo" and kind in state.plan.kinds and not state.plan.gloo_allowed(kind):
         raise ParallelStateAssertionError(
-            f"the gloo {LABELS.get(kind, kind)} group was not created: as megatron-core 0.19, parallel_state builds "
+            f"the gloo {_title(kind)} group was not created: as megatron-core 0.19, parallel_state builds "
             f"no gloo groups under generalized tensor parallelism (gtp_remat_size {state.plan.gtp}, "
             f"expert_gtp_remat_size {state.plan.egtp}); use the NCCL group, or gtp sizes of 1"
         )
     if what == "gloo" and not state.gloo_groups:
         raise ParallelStateAssertionError(
-            f"the gloo {LABELS.get(kind, kind)} group was not created: initialize_model_parallel was called with "
+            f"the gloo {_title(kind)} group was not created: initialize_model_parallel was called with "
             f"create_gloo_process_groups=False; initialize with create_gloo_process_groups=True to have it"
         )
-    hint = _NOT_BUILT.get(kind.split("-l")[0] if kind.startswith("cp-l") else kind)
+    row = BY_NAME.get(kind) or state.plan.kinds.get(kind)
+    hint = row.hint if row is not None else ""
     raise ParallelStateAssertionError(
         f"there is no {_describe(kind, what)} on this rank" + (f": {hint}" if hint else "")
     )
@@ -153,7 +128,7 @@ def missing(key: str) -> Any:
 def _describe(kind: str, what: str) -> str:
     noun = {"group": "group", "rank": "rank", "size": "world size", "ranks": "global ranks", "gloo": "gloo group",
             "src": "source rank", "groups": "groups"}.get(what, what)
-    return f"the {LABELS.get(kind, kind)} {noun}"
+    return f"the {_title(kind)} {noun}"
 
 
 def _dist_ready() -> bool:
@@ -170,24 +145,26 @@ def compute(state: _st.ParallelState | None, overrides: dict[str, Any]) -> dict[
     out: dict[str, Any] = {}
     if state is not None:
         plan = state.plan
-        for kind in plan.kinds:
-            if kind in PICKED and not state.ranks(kind):
-                continue  # not a member (embedding stages): the group accessors assert, or read None
-            out[f"{kind}.group"] = state.groups[kind]
-            out[f"{kind}.size"] = plan.group_size(kind, state.rank)
-            out[f"{kind}.rank"] = state.group_rank(kind)
-            if kind in WITH_RANKS:
-                out[f"{kind}.ranks"] = list(state.ranks(kind))
+        members: dict[str, dict[int, Any]] = {}  # family -> number -> this rank's group
+        for name, kind in plan.kinds.items():
+            if not kind.everyone:
+                out[f"{name}.in"] = bool(state.ranks(name))
+                if not out[f"{name}.in"]:
+                    continue  # not a member (embedding stages): the group accessors assert, or read None
+            out[f"{name}.group"] = state.groups[name]
+            out[f"{name}.size"] = plan.group_size(name, state.rank)
+            out[f"{name}.rank"] = state.group_rank(name)
+            if kind.with_ranks:
+                out[f"{name}.ranks"] = list(state.ranks(name))
+            if kind.family:
+                members.setdefault(kind.family, {})[kind.number] = state.groups[name]
         for kind, group in state.gloo_groups.items():
             out[f"{kind}.gloo"] = group
         out["dp-cp-ag.exists"] = "dp-cp-ag.group" in out
-        out["embd.in"] = "embd.ranks" in out
-        out["pos-embd.in"] = "pos-embd.ranks" in out
-        levels = [k for k in plan.kinds if k.startswith("cp-l")]
-        if levels:
-            out["hcp.groups"] = [state.groups[k] for k in levels]
-        out["hybrid.groups"] = {plan.kinds[k].size: state.groups[k] for k in plan.kinds
-                                if k.startswith("dp-cp-hybrid")}
+        for family in FAMILIES:
+            value = family.collect(members.get(family.name, {}))
+            if value is not None:
+                out[family.answer] = value
         out["vpp.size"] = state.virtual_pipeline_size
         out["vpp.rank"] = state.virtual_pipeline_rank
         out["initialized"] = True

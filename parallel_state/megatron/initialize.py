@@ -7,13 +7,13 @@ from typing import Any, Callable
 
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
 from parallel_state.groups import state as _st
-from parallel_state.groups.kinds import row
 from parallel_state.topology import codegen, releases
 from parallel_state.topology.init_arguments import LOCAL, InitArguments
+from parallel_state.topology.kinds import Kind
 from parallel_state.topology.plan import TopologyPlan
 
 
-def _nccl_options(config_path: Any, high_priority: Any) -> tuple[Callable[[str], Any], Callable[[str], Any]]:
+def _nccl_options(config_path: Any, high_priority: Any) -> tuple[Callable[[Kind], Any], Callable[[Kind], Any]]:
     """Each kind's NCCL options (None where nothing is configured), as megatron-core builds them, and
     a comparable key of those settings."""
     from parallel_state.groups.nccl import get_nccl_options, load_nccl_comm_cfgs
@@ -22,7 +22,7 @@ def _nccl_options(config_path: Any, high_priority: Any) -> tuple[Callable[[str],
     if not cfgs:
         return (lambda kind: None), (lambda kind: None)
     # The settings themselves key a cached group: equal settings, same communicator.
-    return (lambda kind: get_nccl_options(row(kind).nccl, cfgs)), (lambda kind: repr(cfgs.get(row(kind).nccl)))
+    return (lambda kind: get_nccl_options(kind.nccl, cfgs)), (lambda kind: repr(cfgs.get(kind.nccl)))
 
 
 def _made_initialize_model_parallel() -> Callable[..., None]:
@@ -195,8 +195,8 @@ def create_all_gather_groups(for_expert_parallelism: bool = False, timeout: date
                           members=state.plan.ranks)
     plan = dataclasses.replace(state.plan, all_gather=True, expert_all_gather=expert or state.plan.expert_all_gather)
     added = _st.extend(plan, timeout=timeout,
-                       nccl_options=lambda kind: get_nccl_options(row(kind).nccl, cfgs) if cfgs else None,
-                       nccl_key=lambda kind: repr(cfgs.get(row(kind).nccl)))
+                       nccl_options=lambda kind: get_nccl_options(kind.nccl, cfgs) if cfgs else None,
+                       nccl_key=lambda kind: repr(cfgs.get(kind.nccl)))
     if added:
         _bridge_if_megatron_loaded()
     state = _st.current("create_all_gather_groups")

@@ -11,27 +11,17 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from parallel_state.groups import state as _st
-from parallel_state.groups.kinds import ROWS
 from parallel_state.megatron.answers import ANSWERS, OVERRIDES
+from parallel_state.topology.kinds import ROWS
 
-#: megatron-core global -> the answer it holds: each kind's group (and gloo twin) from its row, then the rest.
+#: megatron-core global -> the answer it holds: each kind's group, gloo twin and global ranks from its
+#: row (a family's: its members' groups), then the virtual pipeline's, which is no kind.
 FROM_ANSWERS: dict[str, str] = {
-    **{r.megatron: f"{kind}.group" for kind, r in ROWS.items() if r.megatron},
-    **{r.gloo: f"{kind}.gloo" for kind, r in ROWS.items() if r.gloo},
-    "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS": "hcp.groups",
+    **{r.megatron: r.answer for r in ROWS if r.megatron and r.empty is None},
+    **{r.gloo: f"{r.name}.gloo" for r in ROWS if r.gloo},
+    **{r.ranks_global: f"{r.name}.ranks" for r in ROWS if r.ranks_global},
     "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": "vpp.rank",
     "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": "vpp.size",
-    "_EMBEDDING_GLOBAL_RANKS": "embd.ranks",
-    "_POSITION_EMBEDDING_GLOBAL_RANKS": "pos-embd.ranks",
-    "_PIPELINE_GLOBAL_RANKS": "pp.ranks",
-    "_DATA_PARALLEL_GLOBAL_RANKS": "dp.ranks",
-    "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": "tp.ranks",
-    "_EXPERT_MODEL_PARALLEL_RANKS": "ep.ranks",
-    "_MODEL_PARALLEL_GLOBAL_RANKS": "tp-pp.ranks",
-    "_CONTEXT_PARALLEL_GLOBAL_RANKS": "cp.ranks",
-    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": "dp-cp.ranks",
-    "_GTP_WEIGHT_REMAT_GLOBAL_RANKS": "gtp.ranks",
-    "_EXPERT_GTP_WEIGHT_REMAT_GLOBAL_RANKS": "egtp.ranks",
 }
 
 #: megatron-core's _MPU_* caches -> our set_* override keys; they win over the groups in both.
@@ -41,7 +31,7 @@ FROM_OVERRIDES: dict[str, str] = {
 
 #: What megatron-core holds in a global while nothing is initialized (None unless listed): a
 #: factory, since megatron-core fills that dict in place and a shared one would keep its groups.
-EMPTY: dict[str, Callable[[], Any]] = {"_HYBRID_DP_CP_GROUPS": dict}
+EMPTY: dict[str, Callable[[], Any]] = {r.megatron: r.empty for r in ROWS if r.empty is not None}
 
 
 def _process_group_list() -> list[Any] | None:
@@ -59,7 +49,7 @@ def _memory(name: str) -> Any:
 
 #: Globals computed by a function of their own.
 COMPUTED = {
-    "_HYBRID_DP_CP_GROUPS": lambda: ANSWERS.get("hybrid.groups", {}),
+    **{r.megatron: (lambda key=r.answer, empty=r.empty: ANSWERS.get(key, empty())) for r in ROWS if r.empty},
     "_global_process_group_list": _process_group_list,
     "_GLOBAL_MEMORY_BUFFER": lambda: _memory("_GLOBAL_MEMORY_BUFFER"),
     "_GLOBAL_SYMMETRIC_MEMORY_BUFFER": lambda: _memory("_GLOBAL_SYMMETRIC_MEMORY_BUFFER"),

@@ -10,75 +10,46 @@ release) with the live groups, or, without megatron-core, this module's plain
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 from parallel_state.errors import ParallelStateTypeError, ParallelStateValueError
 from parallel_state.megatron.answers import ANSWERS, lookup
+from parallel_state.topology import kinds
 
-#: Field -> the answer holding its group, in megatron-core 0.19's field order (0.16-0.18 have a subset).
-#: The data-parallel fields hold the replicate groups, the ``*_gtp_remat`` ones the groups spanning
+#: Field -> the answer holding its group, in megatron-core 0.19's field order (0.16-0.18 have a subset):
+#: every field is a kind's (``hcp``: the hierarchical levels' family), from its row's ``field``. The
+#: data-parallel fields hold the replicate groups, the ``*_gtp_remat`` ones the groups spanning
 #: gtp_remat, as megatron-core 0.19's ``use_mpu_process_groups`` fills them.
-FIELDS: dict[str, str] = {
-    "tp": "tp.group", "pp": "pp.group", "mp": "tp-pp.group", "embd": "embd.group", "pos_embd": "pos-embd.group",
-    "cp": "cp.group", "tp_cp": "tp-cp.group", "hcp": "hcp.groups", "ep": "ep.group", "expt_tp": "etp.group",
-    "tp_ep": "etp-ep.group", "tp_ep_pp": "etp-ep-pp.group", "tp_ep_pp_with_egtp_remat": "etp-ep-egtp-pp.group",
-    "tp_dp_cp": "tp-dp-cp.group", "dp": "dp.group", "dp_cp": "dp-cp.group", "dp_cp_gtp_remat": "gtp-dp-cp.group",
-    "dp_cp_ag": "dp-cp-ag.group", "gtp_remat": "gtp.group", "expt_gtp_remat": "egtp.group", "expt_dp": "edp.group",
-    "expt_dp_gtp_remat": "egtp-edp.group", "expt_dp_ag": "edp-ag.group", "intra_dp_cp": "dp-cp-intra.group",
-    "intra_expt_dp": "edp-intra.group", "inter_dist_opt": "edp-inter.group", "intra_dist_opt": "dist-opt.group",
-}
+FIELDS: dict[str, str] = {r.field.name: r.answer for r in kinds.FIELDS if r.field is not None}
 #: Fields that hold None where the group does not exist on this rank (megatron-core reads them with
-#: check_initialized=False, or fills None): every other field needs its group.
-OPTIONAL = frozenset({"embd", "pos_embd", "hcp", "dp_cp_ag", "expt_dp_ag", "inter_dist_opt"})
+#: check_initialized=False, or fills None): those of kinds a plan or a rank may lack.
+OPTIONAL = frozenset(r.field.name for r in kinds.FIELDS if r.field is not None and r.optional)
 
 
-@dataclass
-class ProcessGroupCollection:
-    """megatron-core's ``ProcessGroupCollection`` fields, for code that runs without megatron-core.
+def _use_mpu_process_groups(cls: type, required_pgs: Sequence[str] | None = None) -> Any:
+    """The live topology's groups (only ``required_pgs``, if given), as megatron-core's classmethod."""
+    return process_group_collection(required_pgs, megatron=False)
+
+
+def _repr(self: Any) -> str:
+    sizes = [f"{f.name}({[g.size() for g in v] if isinstance(v, list) else v.size()})"
+             for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None]
+    return f"ProcessGroupCollection({', '.join(sizes) or 'empty'})"
+
+
+#: megatron-core's ``ProcessGroupCollection`` fields (those of every release), for code that runs without
+#: megatron-core; made from :data:`FIELDS`, so a kind's row is the only place a field is named.
+ProcessGroupCollection = dataclasses.make_dataclass(
+    "ProcessGroupCollection", [(name, Any, dataclasses.field(default=None)) for name in FIELDS],
+    namespace={"use_mpu_process_groups": classmethod(_use_mpu_process_groups), "__repr__": _repr,
+               "__doc__": """megatron-core's ``ProcessGroupCollection`` fields, for code that runs without megatron-core.
 
     Every field holds a ``torch.distributed.ProcessGroup`` (``hcp``: a list of them) or None.
     Fill it from the live topology with :meth:`use_mpu_process_groups` or
     :func:`parallel_state.process_group_collection`.
-    """
-
-    tp: Any = None
-    pp: Any = None
-    mp: Any = None
-    embd: Any = None
-    pos_embd: Any = None
-    cp: Any = None
-    tp_cp: Any = None
-    hcp: Any = None
-    ep: Any = None
-    expt_tp: Any = None
-    tp_ep: Any = None
-    tp_ep_pp: Any = None
-    tp_ep_pp_with_egtp_remat: Any = None
-    tp_dp_cp: Any = None
-    dp: Any = None
-    dp_cp: Any = None
-    dp_cp_gtp_remat: Any = None
-    dp_cp_ag: Any = None
-    gtp_remat: Any = None
-    expt_gtp_remat: Any = None
-    expt_dp: Any = None
-    expt_dp_gtp_remat: Any = None
-    expt_dp_ag: Any = None
-    intra_dp_cp: Any = None
-    intra_expt_dp: Any = None
-    inter_dist_opt: Any = None
-    intra_dist_opt: Any = None
-
-    @classmethod
-    def use_mpu_process_groups(cls, required_pgs: Sequence[str] | None = None) -> ProcessGroupCollection:
-        """The live topology's groups (only ``required_pgs``, if given), as megatron-core's classmethod."""
-        return process_group_collection(required_pgs, megatron=False)
-
-    def __repr__(self) -> str:
-        sizes = [f"{f.name}({[g.size() for g in v] if isinstance(v, list) else v.size()})"
-                 for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None]
-        return f"ProcessGroupCollection({', '.join(sizes) or 'empty'})"
+    """},
+)
+ProcessGroupCollection.__module__ = __name__
 
 
 def process_group_collection(required_pgs: Sequence[str] | None = None, *, all_gather: bool = False,
