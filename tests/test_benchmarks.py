@@ -34,6 +34,8 @@ def test_gpu_check_runs_every_case_on_a_cpu_at_a_tiny_size(tmp_path, capsys) -> 
         assert r["out_rel"] <= 2 * r["sdpa_err"]["out_rel"] + 0.01, r
         assert r["grad_rel"] <= 2 * r["sdpa_err"]["grad_rel"] + 0.01, r
         assert r["ms"] > 0 and r["sdpa_ms"] > 0 and r["efficiency"] == r["sdpa_ms"] / r["ms"], r
-        assert r["peak"] is None and r["plan"] == ("balanced" if r["call"] == "plan" else "contiguous (plain call)")
+        # a plan row runs the default plan (the cost model's choice of layout); a plain call the contiguous split
+        assert r["peak"] is None
+        assert r["plan"] in (("contiguous", "balanced", "clips") if r["call"] == "plan" else ("contiguous (plain call)",)), r
     printed = capsys.readouterr().out
     assert printed.count("| tiny ") == len(rows) and "efficiency" in printed
