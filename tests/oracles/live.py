@@ -65,13 +65,25 @@ class Utils:
         if not Utils.inited:
             return
         torch.distributed.barrier()
-        ps.destroy_model_parallel()
+        Utils._destroy()
         Utils.inited = False
+
+    @staticmethod
+    def _destroy():
+        ps.destroy_model_parallel()
+        if not torch.distributed.is_initialized():
+            return
+        # megatron-core's destroy leaves its groups alive (gloo threads pile up by the thousand over the file):
+        # free every group but the world's, so each test starts as in a fresh process.
+        from torch.distributed import distributed_c10d as c10d
+
+        for group in [g for g in c10d._world.pg_map if g is not c10d.GroupMember.WORLD]:
+            torch.distributed.destroy_process_group(group)
 
     @staticmethod
     def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                   virtual_pipeline_model_parallel_size=None, **kwargs):
-        ps.destroy_model_parallel()
+        Utils._destroy()
         Utils.initialize_distributed()
         ps.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size,
                                      virtual_pipeline_model_parallel_size, **kwargs)
@@ -90,7 +102,8 @@ _new_group = dist.new_group
 
 def _new_group_on_cpu(*args, **kwargs):
     if kwargs.get("backend") == "nccl":
-        kwargs["backend"] = "gloo"
+        # An NCCL communicator is made lazily by its members only; a gloo group is too when local.
+        kwargs.update(backend="gloo", use_local_synchronization=True)
     return _new_group(*args, **kwargs)
 
 
@@ -130,12 +143,14 @@ def _layout(name: str, mode: str, where: str) -> None:
             f.write(content)
 
 
-def _outcomes(xml: str) -> dict[str, str]:
+def _outcomes(xml: str) -> dict[str, tuple[str, str]]:
+    """Each test's outcome on one rank, with the first line of its failure's or skip's message."""
     out = {}
     for case in ET.parse(xml).iter("testcase"):
-        kinds = {child.tag for child in case}
-        out[case.get("name")] = ("failed" if kinds & {"failure", "error"} else
-                                 "skipped" if "skipped" in kinds else "passed")
+        found = {child.tag: (child.get("message") or "").strip().splitlines()[:1] for child in case}
+        kind = next((k for k in ("failure", "error", "skipped") if k in found), None)
+        outcome = {"failure": "failed", "error": "failed", "skipped": "skipped", None: "passed"}[kind]
+        out[case.get("name")] = (outcome, (found.get(kind) or [""])[0][:300] if kind else "")
     return out
 
 
@@ -175,8 +190,12 @@ def megatron_test_file(name: str, mode: str) -> dict[str, list[str]]:
                 raise SystemExit(f"{WORLD - len(per_rank)} rank(s) wrote no results; rank 0 said:\n{f.read()[-3000:]}")
         out: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": []}
         for test in per_rank[0]:
-            seen = {ranks.get(test, "failed") for ranks in per_rank}
-            out["failed" if "failed" in seen else "skipped" if seen == {"skipped"} else "passed"].append(test)
+            seen = [ranks.get(test, ("failed", "no result")) for ranks in per_rank]
+            kinds = {kind for kind, _ in seen}
+            kind = "failed" if "failed" in kinds else "skipped" if kinds == {"skipped"} else "passed"
+            failing = [f"rank {r}: {message}" for r, (k, message) in enumerate(seen) if k == "failed"]
+            out[kind].append(test if kind == "passed" else f"{test} ({failing[0] if failing else seen[0][1]}; "
+                                                          f"{len(failing)} of {WORLD} ranks failed)")
         return out
     finally:
         shutil.rmtree(where, ignore_errors=True)
@@ -188,9 +207,13 @@ def suite(name: str, extra: list[str] | None = None) -> tuple[int, str]:
     print(f"[oracles] megatron-core {RELEASES[name]}: {' '.join(cmd)}", flush=True)
     run = subprocess.run(cmd, cwd=environments.REPO, env=environments.env(name), capture_output=True, text=True,
                          timeout=TIMEOUT)
+    log = os.path.join(environments.root(), "logs", f"suite-{RELEASES[name]}.log")
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    with open(log, "w", encoding="utf-8") as f:
+        f.write(run.stdout + run.stderr)
     lines = run.stdout.strip().splitlines()
     print("\n".join(line for line in lines if re.match(r"(FAILED|ERROR) ", line)), flush=True)
-    return run.returncode, (lines[-1] if lines else run.stderr[-2000:])
+    return run.returncode, (lines[-1] if lines else run.stderr[-2000:]) + f" (pytest's output: {log})"
 
 
 def main(names: list[str], parts: list[str]) -> int:
@@ -214,7 +237,7 @@ def main(names: list[str], parts: list[str]) -> int:
             print(f"[oracles] {RELEASES[name]} megatron-core's test_parallel_state.py on "
                   f"{'parallel_state' if mode == 'ours' else 'its own parallel_state'}: {len(out['passed'])} of "
                   f"{total} passed, {len(out['failed'])} failed, {len(out['skipped'])} skipped"
-                  + "".join(f"\n    failed: {t}" for t in out["failed"]), flush=True)
+                  + "".join(f"\n    {kind}: {t}" for kind in ("failed", "skipped") for t in out[kind]), flush=True)
             failed |= mode == "ours" and bool(out["failed"])
     return 1 if failed else 0
 
