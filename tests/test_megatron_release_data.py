@@ -67,4 +67,5 @@ def test_installed_layouts_are_its_data(pools):
             assert got == want, name
             # Real layouts, not empty answers: groups of several ranks on every rank.
             if "initialize" not in got:
-                assert any(len(v["group"]) > 1 for v in got["globals"]["_DATA_PARALLEL_GROUP_WITH_CP"]), name
+                assert any(isinstance(v, dict) and len(v["group"]) > 1  # None on ranks outside rank_offset's window
+                           for v in got["globals"]["_DATA_PARALLEL_GROUP_WITH_CP"]), name
