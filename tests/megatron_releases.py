@@ -1,8 +1,10 @@
 """Facts of megatron-core 0.16 to 0.19's ``parallel_state``, read from ``tests/data/megatron_releases.json``.
 
-Only megatron-core 0.16.1 installs on this project's Python 3.11; 0.17.1, 0.18.2 and 0.19.0 need Python >= 3.12.
-Their facts were read from each release's own source (how: the file's ``generated_by``) and are looked up here:
+Only megatron-core 0.16.1 installs on this project's Python 3.11; 0.17.1, 0.18.2 and 0.19.2 need Python >= 3.12.
+``python -m tests.oracles snapshot`` wrote the file from the real packages installed in Python 3.12 environments
+(``tests/oracles``; how: the file's ``generated_by``); the facts are looked up here:
 
+- ``version``: the megatron-core version described;
 - ``public``: each public function and class ``parallel_state.py`` defines, with its parameters in order
   (``name``, ``kind``, ``default`` as its ``repr`` or None when it has none, ``annotation``), and the public
   names it only imports;
@@ -15,7 +17,8 @@ Their facts were read from each release's own source (how: the file's ``generate
   made after it, each ``{"call": name, "kwargs": {...}}``), the sections ``globals``, ``aliases``,
   ``accessors``, ``pg_collection`` and ``then`` (each maps a name to the list of every global rank's value),
   and ``process_group_list``, ``initialize`` (its error) and ``pg_collection_error`` (one value per rank).
-  A process group reads ``{"group": sorted global ranks}``, an error ``{"error": type name, "message": ...}``.
+  A process group reads ``{"group": sorted global ranks}``, an error ``{"error": type name, "message": its first
+  line}``. The file stores a list whose ranks all agree once (``{"every_rank": value}``); ``load`` gives the lists.
 """
 
 from __future__ import annotations
@@ -29,16 +32,53 @@ PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "megatro
 POSITIONAL = ("positional-only", "positional-or-keyword")
 
 
+#: The layout sections that map a name to per-rank lists, and those that are one per-rank list.
+TABLES = ("globals", "aliases", "accessors", "pg_collection", "then")
+LISTS = ("process_group_list", "initialize", "pg_collection_error")
+EVERY_RANK = "every_rank"
+
+
+def _converted(layout: dict[str, Any], convert: Any) -> dict[str, Any]:
+    out = dict(layout)
+    for section, value in layout.items():
+        if section in TABLES:
+            out[section] = {k: convert(v) for k, v in value.items()}
+        elif section in LISTS:
+            out[section] = convert(value)
+    return out
+
+
+def pack(layout: dict[str, Any]) -> dict[str, Any]:
+    """A layout as the file stores it: each per-rank list whose ranks all agree as ``{"every_rank": value}``."""
+    def one(per_rank: Any) -> Any:
+        same = isinstance(per_rank, list) and per_rank and all(v == per_rank[0] for v in per_rank)
+        return {EVERY_RANK: per_rank[0]} if same else per_rank
+
+    return _converted(layout, one)
+
+
+def unpack(layout: dict[str, Any]) -> dict[str, Any]:
+    """A stored layout with every per-rank list ``world_size`` long again."""
+    def full(value: Any) -> Any:
+        stored_once = isinstance(value, dict) and set(value) == {EVERY_RANK}
+        return [value[EVERY_RANK]] * layout["world_size"] if stored_once else value
+
+    return _converted(layout, full)
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> dict[str, Any]:
-    """The whole file, read once."""
+    """The whole file, read once, every layout's per-rank lists in full."""
     with open(PATH, encoding="utf-8") as f:
-        return json.load(f)
+        data = json.load(f)
+    for release in data["releases"].values():
+        release["layouts"] = {n: unpack(lay) for n, lay in release["layouts"].items()}
+    return data
 
 
 def names() -> list[str]:
     """The releases the file describes, oldest first: ``["0.16", "0.17", "0.18", "0.19"]``."""
-    return list(load()["releases"])
+    return sorted(load()["releases"], key=lambda n: tuple(map(int, n.split("."))))
 
 
 def release(name: str) -> dict[str, Any]:

@@ -106,7 +106,8 @@ def _state_names(module: Any) -> list[str]:
 
 
 def _error(exc: BaseException) -> dict[str, str]:
-    return {"error": type(exc).__name__, "message": str(exc)[:200]}
+    """An error as its type and its message's first line (200 characters at most): never a traceback."""
+    return {"error": type(exc).__name__, "message": (str(exc).splitlines() or [""])[0][:200]}
 
 
 def snapshot(module: Any, calls: dict[str, dict[str, Any]], pg_collection_class: Any = None) -> dict[str, Any]:

@@ -6,6 +6,7 @@ Worker cases import megatron-core inside the case (about 4 s per process, paid o
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 import subprocess
 import sys
@@ -118,7 +119,9 @@ def _megatron_reads_parallel_state(mps, plan):
     # context-parallel sequence sharding: 2 * cp chunks, this rank keeps chunks r and 2cp-1-r
     seq = 4 * plan.cp
     batch = {"tokens": torch.arange(2 * seq).view(2, seq), "attention_mask": None}
-    out["cp_batch"] = get_batch_on_this_cp_rank(batch)["tokens"].tolist()
+    # 0.18 added a required is_hybrid_cp (python -m tests.oracles test runs every release)
+    hybrid = {"is_hybrid_cp": False} if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters else {}
+    out["cp_batch"] = get_batch_on_this_cp_rank(batch, **hybrid)["tokens"].tolist()
     # tensor-parallel all-reduce and split along the last dimension
     out["tp_sum"] = reduce_from_tensor_model_parallel_region(torch.tensor([float(dist.get_rank())])).item()
     out["tp_slice"] = scatter_to_tensor_model_parallel_region(torch.arange(2.0 * plan.tp)).tolist()

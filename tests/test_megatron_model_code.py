@@ -195,9 +195,9 @@ def piece_cross_entropy(pg, topology):
 
 def piece_mlp(pg, topology):
     """MLP from the local (non-Transformer-Engine) spec, gelu and swiglu, forward and backward."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
 
     out = {}
     gen = torch.Generator().manual_seed(_seed_of(_tp_group(pg)))
@@ -206,8 +206,10 @@ def piece_mlp(pg, topology):
                                    tensor_model_parallel_size=_size(topology, "tensor_model"),
                                    use_cpu_initialization=True, add_bias_linear=True, **extra)
         torch.manual_seed(3)
-        mlp = build_module(get_mlp_module_spec(use_te=False), config=config, ffn_hidden_size=16,
-                           tp_group=None if pg is None else pg.tp)
+        # The local spec's modules, built directly: get_mlp_module_spec(use_te=False) gives them as a ModuleSpec
+        # up to 0.18 and as a TransformerLayer builder in 0.19 (python -m tests.oracles test runs every release).
+        mlp = MLP(config=config, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                  ffn_hidden_size=16, tp_group=None if pg is None else pg.tp)
         x = torch.randn(4, 2, 8, generator=gen, requires_grad=True)
         y, bias = mlp(x)
         ((y + bias) * torch.randn(y.shape, generator=gen)).sum().backward()
