@@ -214,7 +214,7 @@ def _for_installed(topologies):
 
 @pytest.fixture(scope="module")
 def parity(pools):
-    return pools(8).run(case_parity, _for_installed(TOPOLOGIES), _for_installed(REFUSED), timeout=300)
+    return pools(8).run(case_parity, _for_installed(TOPOLOGIES), REFUSED, timeout=300)
 
 
 @pytest.mark.parametrize("label", sorted(REFUSED))
