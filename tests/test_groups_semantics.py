@@ -89,7 +89,7 @@ def case_sharing(topologies):
 
 
 def test_getters_share_a_group_only_where_megatron_does_and_never_return_world(pools):
-    for rank, results in enumerate(pools(4).run(case_sharing, TOPOLOGIES, timeout=240)):
+    for rank, results in enumerate(pools(4, megatron=True).run(case_sharing, TOPOLOGIES, timeout=240)):
         for label, r in results.items():
             extra = set(map(tuple, r["ours"])) - set(map(tuple, r["theirs"]))
             assert not extra, (rank, label, sorted(extra))
