@@ -12,7 +12,7 @@ import pytest
 import parallel_state as ps
 from parallel_state import ParallelStateError, TopologyPlan
 from parallel_state.errors import ParallelStateTypeError
-from rankpool import RankFailure, RankPool
+from rankpool import RankFailure, RankPool, scaled
 
 SECONDS = datetime.timedelta(seconds=30)
 
@@ -226,12 +226,12 @@ def test_rank_lists_stay_short():
 
 # --- 2. timeouts are real: a stalled peer and a dead rank -----------------------------------
 
-def case_stalled_peer(tag):
-    """Rank 3 skips a collective (alive, not dead): its partner fails after the configured 2 s."""
+def case_stalled_peer(tag, timeout_s):
+    """Rank 3 skips a collective (alive, not dead): its partner fails after the configured timeout."""
     import torch
     import torch.distributed as dist
 
-    ps.initialize_model_parallel(cp_size=2, pp_size=2, timeout=datetime.timedelta(seconds=2))
+    ps.initialize_model_parallel(cp_size=2, pp_size=2, timeout=datetime.timedelta(seconds=timeout_s))
     rank, store = dist.get_rank(), _store()
     if rank == 3:
         store.wait([f"{tag}/released"], datetime.timedelta(seconds=120))
@@ -279,15 +279,17 @@ def case_rank_dies(victim, iteration, timeout_s):
 
 
 def test_a_dead_rank_fails_the_others_within_the_timeout_and_they_shut_down_cleanly():
-    # The default group's timeout is 10 minutes, so only the configured 2-3 s timeouts can end
-    # the waits before the pool's own hang guard (90 s) would.
+    # The default group's timeout is 10 minutes, so only the configured timeouts of a second or so
+    # (more on a loaded machine) can end the waits before the pool's own hang guard (90 s) would.
+    timeout_s = round(scaled(1.0).total_seconds(), 3)
     pool = RankPool(4, default_timeout=600)
     try:
-        stalled = pool.run(case_stalled_peer, uuid.uuid4().hex, timeout=90)
+        stalled = pool.run(case_stalled_peer, uuid.uuid4().hex, timeout_s, timeout=90)
         assert stalled[0] is None and stalled[1] is None and stalled[3] is None
-        assert stalled[2]["type"] == "RuntimeError" and "Timed out waiting 2000ms" in stalled[2]["message"]
+        assert stalled[2]["type"] == "RuntimeError", stalled[2]
+        assert f"Timed out waiting {round(timeout_s * 1000)}ms" in stalled[2]["message"], stalled[2]
         with pytest.raises(RankFailure) as info:
-            pool.run(case_rank_dies, 3, 2, 3.0, timeout=90)
+            pool.run(case_rank_dies, 3, 2, timeout_s, timeout=90)
     finally:
         pool.close()
     failure = info.value
