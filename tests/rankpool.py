@@ -282,8 +282,10 @@ class RankPool:
         self.preload = tuple(preload)
         self._dir = tempfile.TemporaryDirectory(prefix=f"rankpool{world_size}-")
         store = os.path.join(self._dir.name, "store")
-        # One intra-op thread per rank: the ranks already outnumber the cores.
-        template = _template_for(self.preload, {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+        # One intra-op thread per rank: the ranks already outnumber the cores. No GPU: the ranks are CPU
+        # processes on every machine (gloo, CPU tensors), so a case means the same on a GPU machine.
+        template = _template_for(self.preload, {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+                                                "CUDA_VISIBLE_DEVICES": ""})
         self._ranks: list[_Slot] = []
         self.broken = self._closed = False
         for r in range(world_size):
