@@ -26,6 +26,7 @@ for p in (ROOT, HERE):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+from launches import Launches  # noqa: E402
 from rankpool import RankPool  # noqa: E402
 
 #: What the megatron-core ranks import before the first case: the model code the tests run, with its
@@ -75,3 +76,31 @@ def pools(request, session_pools):
         return session_pools(world_size, megatron=megatron)
 
     return get
+
+
+# --- real launchers, started in the background (launches.py) -------------------------------------
+
+LAUNCHES = Launches()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "launch(commands, timeout): the test reads a real launcher job (launches.py), "
+                                       "started in the background once collected")
+
+
+def pytest_collection_finish(session):
+    for item in session.items:
+        marker = item.get_closest_marker("launch")
+        if marker is not None:
+            LAUNCHES.submit(item.nodeid, marker.args[0], marker.kwargs["timeout"])
+
+
+def pytest_sessionfinish(session):
+    LAUNCHES.close()
+
+
+@pytest.fixture
+def launched(request):
+    """The outcome of this test's ``@pytest.mark.launch`` job: one ``Outcome`` per process, in order."""
+    marker = request.node.get_closest_marker("launch")
+    return LAUNCHES.outcome(request.node.nodeid, marker.args[0], marker.kwargs["timeout"])
