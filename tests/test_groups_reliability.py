@@ -3,6 +3,7 @@ every bad input with its documented error, and no half-built state after any fai
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import inspect
 import uuid
@@ -12,7 +13,7 @@ import pytest
 import parallel_state as ps
 from parallel_state import ParallelStateError, TopologyPlan
 from parallel_state.errors import ParallelStateTypeError
-from rankpool import RankFailure, RankPool
+from rankpool import RankFailure, RankPool, scaled
 
 SECONDS = datetime.timedelta(seconds=30)
 
@@ -226,12 +227,12 @@ def test_rank_lists_stay_short():
 
 # --- 2. timeouts are real: a stalled peer and a dead rank -----------------------------------
 
-def case_stalled_peer(tag):
-    """Rank 3 skips a collective (alive, not dead): its partner fails after the configured 2 s."""
+def case_stalled_peer(tag, timeout_s):
+    """Rank 3 skips a collective (alive, not dead): its partner fails after the configured timeout."""
     import torch
     import torch.distributed as dist
 
-    ps.initialize_model_parallel(cp_size=2, pp_size=2, timeout=datetime.timedelta(seconds=2))
+    ps.initialize_model_parallel(cp_size=2, pp_size=2, timeout=datetime.timedelta(seconds=timeout_s))
     rank, store = dist.get_rank(), _store()
     if rank == 3:
         store.wait([f"{tag}/released"], datetime.timedelta(seconds=120))
@@ -279,15 +280,17 @@ def case_rank_dies(victim, iteration, timeout_s):
 
 
 def test_a_dead_rank_fails_the_others_within_the_timeout_and_they_shut_down_cleanly():
-    # The default group's timeout is 10 minutes, so only the configured 2-3 s timeouts can end
-    # the waits before the pool's own hang guard (90 s) would.
+    # The default group's timeout is 10 minutes, so only the configured timeouts of a second or so
+    # (more on a loaded machine) can end the waits before the pool's own hang guard (90 s) would.
+    timeout_s = round(scaled(1.0).total_seconds(), 3)
     pool = RankPool(4, default_timeout=600)
     try:
-        stalled = pool.run(case_stalled_peer, uuid.uuid4().hex, timeout=90)
+        stalled = pool.run(case_stalled_peer, uuid.uuid4().hex, timeout_s, timeout=90)
         assert stalled[0] is None and stalled[1] is None and stalled[3] is None
-        assert stalled[2]["type"] == "RuntimeError" and "Timed out waiting 2000ms" in stalled[2]["message"]
+        assert stalled[2]["type"] == "RuntimeError", stalled[2]
+        assert f"Timed out waiting {round(timeout_s * 1000)}ms" in stalled[2]["message"], stalled[2]
         with pytest.raises(RankFailure) as info:
-            pool.run(case_rank_dies, 3, 2, 3.0, timeout=90)
+            pool.run(case_rank_dies, 3, 2, timeout_s, timeout=90)
     finally:
         pool.close()
     failure = info.value
@@ -419,43 +422,96 @@ def test_wrong_types_are_both_type_errors_and_parallel_state_errors(bad_initiali
     assert out["type"] == "ParallelStateTypeError" and out["is_type"] and out["is_pse"]
 
 
-def case_failure_mid_creation(priority_groups):
-    """NCCL stream options for one kind are made only when that kind's group is built, after others."""
+#: An interface no machine has: gloo cannot make a device for it, so torch's new_group fails at once.
+MISSING_NIC = "ps-test-nic0"
+
+
+@contextlib.contextmanager
+def _network_fails_at(desc):
+    """On this rank, gloo cannot build the group ``desc``: while it is created GLOO_SOCKET_IFNAME names
+    an interface this machine lacks (a node with wrong network settings), so torch's own new_group
+    raises. Yields the descriptions of the groups created before, in order."""
+    import os
+
     from parallel_state.groups import create as groups
 
     created = []
     original = groups.GroupBatch.create
 
-    def spy(self, *args, **kwargs):  # our own code, observed; torch.distributed stays real
-        pg = original(self, *args, **kwargs)
+    def create(self, *args, **kwargs):  # our own code, observed; torch.distributed stays real
+        saved = os.environ.get("GLOO_SOCKET_IFNAME")
+        if kwargs["desc"] == desc:
+            os.environ["GLOO_SOCKET_IFNAME"] = MISSING_NIC
+        try:
+            pg = original(self, *args, **kwargs)
+        finally:
+            if saved is None:
+                os.environ.pop("GLOO_SOCKET_IFNAME", None)
+            else:
+                os.environ["GLOO_SOCKET_IFNAME"] = saved
         created.append(kwargs["desc"])
         return pg
 
-    groups.GroupBatch.create = spy
+    groups.GroupBatch.create = create
     try:
-        before = _registry()
-        error, _ = _attempt(ps.initialize_model_parallel, cp_size=2, pp_size=2, timeout=SECONDS,
-                            high_priority_stream_groups=priority_groups)
+        yield created
     finally:
         groups.GroupBatch.create = original
-    return {"error": error, "created_before_failure": created, "clean": _registry() == before,
-            "retry": _correct_call_works()}
 
 
-def test_a_failure_in_the_middle_of_group_creation_rolls_back(pools):
+def case_failure_mid_creation():
+    """Group creation fails at the model-parallel (tp-pp) group, after others were built; then the
+    NCCL stream options, which this torch build may or may not have, on these gloo groups."""
+    import torch
     import torch.distributed as dist
 
-    for out in pools(4).run(case_failure_mid_creation, ["mp"]):
-        if hasattr(dist, "ProcessGroupNCCL"):  # gloo groups ignore NCCL options, as in Megatron
-            assert out["error"] is None and out["clean"] and out["retry"], out
-            continue
-        # No NCCL in this build: the options fail when the model-parallel (tp-pp) group is built,
-        # after the gtp_remat, dp-cp, dp and cp groups (each kind its own group, in megatron-core
-        # 0.19's order; the full data-parallel groups are the dp ones where gtp_remat is 1).
-        assert out["error"]["is_pse"] and "this torch build has no NCCL" in out["error"]["message"], out
+    out = {}
+    before = _registry()
+    with _network_fails_at("MODEL_PARALLEL_GROUP") as created:
+        out["error"], _ = _attempt(ps.initialize_model_parallel, cp_size=2, pp_size=2, timeout=SECONDS)
+    out.update(created_before_failure=created, clean=_registry() == before, retry=_correct_call_works())
+    # Options are made when their kind's group is built: without NCCL the build fails there (and rolls
+    # back); with NCCL, gloo groups ignore them, as in megatron-core.
+    out["nccl_error"], _ = _attempt(ps.initialize_model_parallel, cp_size=2, pp_size=2, timeout=SECONDS,
+                                    high_priority_stream_groups=["mp"])
+    if out["nccl_error"] is None:
+        t = torch.ones(1)
+        dist.all_reduce(t, group=ps.get_model_parallel_group())
+        out["nccl_groups_work"] = t.item() == 2.0
+        ps.destroy_model_parallel()
+    out["nccl_clean"] = _registry() == before and not ps.is_initialized()
+    out["nccl_retry"] = _correct_call_works()
+    return out
+
+
+@pytest.fixture(scope="module")
+def mid_creation(pools):
+    return pools(4).run(case_failure_mid_creation)
+
+
+def test_a_failure_in_the_middle_of_group_creation_rolls_back(mid_creation):
+    for out in mid_creation:
+        # torch's new_group raised on the tp-pp group, after the gtp_remat, dp-cp, dp and cp groups
+        # (each kind its own group, in megatron-core 0.19's order; the full data-parallel groups are the
+        # dp ones where gtp_remat is 1); nothing of them is left, and a correct call works after.
+        message = out["error"]["message"]
+        assert out["error"]["is_pse"] and "could not create its MODEL_PARALLEL_GROUP process group" in message, out
+        assert f"Unable to find address for: {MISSING_NIC}" in message, out
         assert out["created_before_failure"] == ["GTP_WEIGHT_REMAT_GROUP", "DATA_PARALLEL_GROUP_WITH_CP",
                                                  "DATA_PARALLEL_GROUP", "CONTEXT_PARALLEL_GROUP"], out
         assert out["clean"] and out["retry"], out
+
+
+def test_nccl_options_fail_cleanly_without_nccl_and_are_ignored_by_gloo_groups(mid_creation):
+    import torch.distributed as dist
+
+    for out in mid_creation:
+        if hasattr(dist, "ProcessGroupNCCL"):
+            assert out["nccl_error"] is None and out["nccl_groups_work"], out
+        else:
+            assert out["nccl_error"]["is_pse"], out
+            assert "this torch build has no NCCL" in out["nccl_error"]["message"], out
+        assert out["nccl_clean"] and out["nccl_retry"], out
 
 
 def case_timeout_mid_creation(tag):
@@ -489,13 +545,16 @@ def test_a_timeout_in_the_middle_of_group_creation_rolls_back_everywhere(pools):
 
 
 def case_one_rank_fails_to_build(bad_rank, timeout_s):
-    """Only ``bad_rank`` asks for NCCL stream options (not a compared argument), so only its build fails."""
+    """Only ``bad_rank``'s network fails, at its model-parallel group: only its build fails."""
+    import contextlib
+
     import torch.distributed as dist
 
     before = _registry()
-    extra = {"high_priority_stream_groups": ["mp"]} if dist.get_rank() == bad_rank else {}
-    error, _ = _attempt(ps.initialize_model_parallel, cp_size=2, pp_size=2,
-                        timeout=datetime.timedelta(seconds=timeout_s), **extra)
+    broken = _network_fails_at("MODEL_PARALLEL_GROUP") if dist.get_rank() == bad_rank else contextlib.nullcontext()
+    with broken:
+        error, _ = _attempt(ps.initialize_model_parallel, cp_size=2, pp_size=2,
+                            timeout=datetime.timedelta(seconds=timeout_s))
     return {"error": error, "clean": _registry() == before and not ps.is_initialized(),
             "retry": _correct_call_works()}
 
@@ -503,8 +562,10 @@ def case_one_rank_fails_to_build(bad_rank, timeout_s):
 def test_all_ranks_keep_their_groups_or_none_does(pools):
     # Rank 3 fails building its model-parallel group [1, 3]; rank 1 times out creating it; ranks 0
     # and 2 built all their groups, but members of their dp-cp groups never finished theirs.
-    results = pools(4).run(case_one_rank_fails_to_build, 3, 2.0, timeout=120)
-    assert "this torch build has no NCCL" in results[3]["error"]["message"]
+    results = pools(4).run(case_one_rank_fails_to_build, 3, scaled(1.0).total_seconds(), timeout=120)
+    message = results[3]["error"]["message"]
+    assert "could not create its MODEL_PARALLEL_GROUP process group with ranks [1, 3]" in message, message
+    assert f"Unable to find address for: {MISSING_NIC}" in message, message
     for rank in (0, 1, 2):
         message = results[rank]["error"]["message"]
         assert results[rank]["error"]["is_pse"], message

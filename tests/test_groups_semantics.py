@@ -13,6 +13,7 @@ import inspect
 import time
 
 import parallel_state as ps
+from rankpool import scaled
 
 TOPOLOGIES = {
     "all-ones": {},
@@ -89,7 +90,7 @@ def case_sharing(topologies):
 
 
 def test_getters_share_a_group_only_where_megatron_does_and_never_return_world(pools):
-    for rank, results in enumerate(pools(4).run(case_sharing, TOPOLOGIES, timeout=240)):
+    for rank, results in enumerate(pools(4, megatron=True).run(case_sharing, TOPOLOGIES, timeout=240)):
         for label, r in results.items():
             extra = set(map(tuple, r["ours"])) - set(map(tuple, r["theirs"]))
             assert not extra, (rank, label, sorted(extra))
@@ -124,13 +125,13 @@ def test_two_kinds_with_equal_ranks_keep_their_own_collectives(pools):
     assert pools(4).run(case_opposite_order) == [(3.0, 300.0)] * 2 + [(7.0, 700.0)] * 2
 
 
-def _try_all_reduce(group, absent):
+def _try_all_reduce(group, absent, timeout):
     """All-reduce on ``group`` unless this rank is ``absent``; every rank then waits past the timeout,
     so no rank tears its groups down while a peer still waits for its own timeout to fire."""
     import torch
     import torch.distributed as dist
 
-    deadline = time.monotonic() + 3.5
+    deadline = time.monotonic() + 1.75 * timeout.total_seconds()
     outcome = "absent"
     if dist.get_rank() != absent:
         try:
@@ -146,21 +147,21 @@ def _try_all_reduce(group, absent):
     return outcome
 
 
-def case_timeouts():
-    # The default group's timeout is the pool's 60 s and the pool waits 30 s: an answer at all
-    # proves the kind's own 2 s timeout fired.
-    two = datetime.timedelta(seconds=2)
-    ps.initialize_model_parallel(context_parallel_size=4, timeout=two)
-    cp = _try_all_reduce(ps.get_context_parallel_group(), absent=3)
+def case_timeouts(seconds):
+    # The default group's timeout is the pool's 60 s and the pool waits 30 s (both times the load
+    # factor): an answer at all proves the kind's own timeout of a second or so fired.
+    timeout = datetime.timedelta(seconds=seconds)
+    ps.initialize_model_parallel(context_parallel_size=4, timeout=timeout)
+    cp = _try_all_reduce(ps.get_context_parallel_group(), 3, timeout)
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, timeout=two)
-    tp = _try_all_reduce(ps.get_tensor_model_parallel_group(), absent=3)
-    pp = _try_all_reduce(ps.get_pipeline_model_parallel_group(), absent=3)
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, timeout=timeout)
+    tp = _try_all_reduce(ps.get_tensor_model_parallel_group(), 3, timeout)
+    pp = _try_all_reduce(ps.get_pipeline_model_parallel_group(), 3, timeout)
     return cp, tp, pp
 
 
 def test_a_kinds_timeout_turns_a_missing_rank_into_an_error(pools):
-    results = pools(4).run(case_timeouts, timeout=30)
+    results = pools(4).run(case_timeouts, scaled(1.0).total_seconds(), timeout=30)
     cp = [r[0] for r in results]  # cp = the whole world: every member fails, at least one by its own timeout
     assert set(cp[:3]) <= {"raised", "peer gave up"} and "raised" in cp[:3] and cp[3] == "absent", cp
     assert [r[1] for r in results] == ["done", "done", "raised", "absent"]  # tp groups {0, 1}, {2, 3}

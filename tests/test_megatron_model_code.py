@@ -37,12 +37,15 @@ finalize_model_grads runs over a model wrapped in a subclass of megatron-core's 
 reduction of finalize_model_grads itself runs (embedding group, tp, pp, dp x cp for
 ``num_tokens``), but not DDP's bucketed data-parallel gradient all-reduce, which cannot run here.
 
-What does not run on a CPU (megatron-core 0.16.1, torch's CPU build, gloo): each of these raises
-``AssertionError: Torch not compiled with CUDA enabled`` because it allocates on
-``torch.cuda.current_device()`` or ``device="cuda"`` (the all-to-all dispatcher: ``RuntimeError:
-torch.cuda.Stream requires CUDA support``); ``test_cpu_blockers_are_as_documented``
-checks that each still fails where stated, so this list stays true and a release that lifts one
-is noticed:
+What does not run without CUDA (megatron-core 0.16.1, gloo): each of these fails in torch's CUDA
+code because it allocates on ``torch.cuda.current_device()`` or ``device="cuda"`` (the all-to-all
+dispatcher creates a ``torch.cuda.Stream``). How torch words it depends on the build and the machine:
+a CPU build says ``Torch not compiled with CUDA enabled`` (``torch.cuda.Stream requires CUDA support``),
+a CUDA build without a driver ``Found no NVIDIA driver on your system``, a machine whose GPUs are
+hidden ``No CUDA GPUs are available``. The ranks run with CUDA hidden on every machine, and
+``test_cpu_blockers_are_as_documented`` checks that each still fails where stated, for want of CUDA
+(an error raised inside ``torch.cuda`` while it is unavailable), so this list stays true and a
+release that lifts one is noticed:
 
 - ``ColumnParallelLinear(gather_output=True)``: ``tensor_parallel/mappings.py:91``
   (``_gather_along_last_dim``), in forward.
@@ -68,8 +71,8 @@ is noticed:
   ``MoEAlltoAllTokenDispatcher`` creates a ``torch.cuda.Stream()`` in ``__init__``
   (``transformer/moe/token_dispatcher.py:445``).
 
-Each worker imports megatron-core inside the call (paid once per pool, shared with the other
-megatron tests).
+The ranks are the megatron-core pools of ``conftest.py``: forked after one import of megatron-core,
+shared with the other megatron tests.
 """
 
 from __future__ import annotations
@@ -521,9 +524,9 @@ def blocker_alltoall_dispatcher():
     MoEAlltoAllTokenDispatcher(2, [0, 1], _moe_config(), pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
 
-NO_CUDA = ("AssertionError", "Torch not compiled with CUDA enabled")  # torch.cuda.current_device(), device="cuda"
+NO_CUDA = "CUDA unavailable"  # torch.cuda.current_device(), device="cuda", torch.cuda.Stream()
 
-# blocker -> (world size it runs on, (error type, message), megatron-core file and function that asks for CUDA)
+# blocker -> (world size it runs on, why it fails, megatron-core file and function that asks for CUDA)
 BLOCKERS = {
     "column_gather_output": (2, NO_CUDA, "tensor_parallel/mappings.py", "_gather_along_last_dim"),
     "row_scatter_input": (2, NO_CUDA, "tensor_parallel/mappings.py", "_gather_along_last_dim"),
@@ -540,19 +543,25 @@ BLOCKERS = {
     "router_forward": (8, NO_CUDA, "transformer/moe/router.py", "gating"),
     "router_expert_bias": (8, NO_CUDA, "transformer/moe/router.py", "__init__"),
     "allgather_dispatcher": (8, NO_CUDA, "tensor_parallel/mappings.py", "_gather_along_first_dim"),
-    "alltoall_dispatcher": (8, ("RuntimeError", "torch.cuda.Stream requires CUDA support"),
-                            "transformer/moe/token_dispatcher.py", "__init__"),
+    "alltoall_dispatcher": (8, NO_CUDA, "transformer/moe/token_dispatcher.py", "__init__"),
 }
 
 
 def _where_it_failed(exc):
-    """``(type, message, megatron-core file, function)`` of the innermost megatron-core frame."""
+    """``(why, megatron-core file, function)``: ``why`` is NO_CUDA for an error torch.cuda raised while CUDA
+    is unavailable (whatever the build's wording), else the error itself; the file and function are
+    the innermost megatron-core frame's."""
+    import os
     import traceback
 
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/megatron/core/" in f.filename]
-    last = frames[-1] if frames else None
+    frames = traceback.extract_tb(exc.__traceback__)
+    cuda_dir = os.path.dirname(torch.cuda.__file__) + os.sep
+    why = NO_CUDA if frames and frames[-1].filename.startswith(cuda_dir) and not torch.cuda.is_available() else \
+        f"{type(exc).__name__}: {exc}"
+    ours = [f for f in frames if "/megatron/core/" in f.filename]
+    last = ours[-1] if ours else None
     path = last.filename.split("/megatron/core/")[-1] if last else None
-    return type(exc).__name__, str(exc), path, last.name if last else None
+    return why, path, last.name if last else None
 
 
 # --- the worker ---------------------------------------------------------------------------------------
@@ -667,6 +676,6 @@ def test_the_model_code_did_parallel_work(run):
 def test_cpu_blockers_are_as_documented(run):
     """Each piece the module docstring lists as CUDA-only still fails there, on every rank."""
     world, results = run
-    expected = {name: (*error, path, fn) for name, (w, error, path, fn) in BLOCKERS.items() if w == world}
+    expected = {name: (why, path, fn) for name, (w, why, path, fn) in BLOCKERS.items() if w == world}
     for rank, r in enumerate(results):
         assert r["blockers"] == expected, rank

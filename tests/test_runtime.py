@@ -6,7 +6,6 @@ import datetime
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -470,24 +469,14 @@ def _torchrun(mode, nnodes, node_rank, nproc, port):
            "--max-restarts", "0", os.path.join(HERE, "launch_dist_init.py"), mode]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return dict(args=cmd, env=env, stderr=subprocess.STDOUT)
 
 
-def _finish(procs, timeout=180):
-    """Wait for every launcher; on timeout kill each one's own process group (its workers)."""
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    for proc, output in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, output[-6000:]
-    return "\n".join(outputs)
+def _finish(outcomes):
+    """Every launcher exited 0 (None: killed at the launch's timeout, with its workers); their joint output."""
+    for outcome in outcomes:
+        assert outcome.returncode == 0, outcome.stdout[-6000:]
+    return "\n".join(outcome.stdout for outcome in outcomes)
 
 
 def _oks(output):
@@ -495,13 +484,23 @@ def _oks(output):
     return sorted(f"OK rank {r} local {lr}" for r, lr in re.findall(r"OK rank (\d+) local (\d+)", output))
 
 
-def test_torchrun_four_processes_pipeline_ring_and_rebuild():
-    output = _finish([_torchrun("single", 1, 0, 4, _free_port())])
+def _one_node():
+    return [_torchrun("single", 1, 0, 4, _free_port())]
+
+
+def _two_nodes():
+    port = _free_port()
+    return [_torchrun("nodes", 2, node, 2, port) for node in (0, 1)]
+
+
+@pytest.mark.launch(_one_node, timeout=180)
+def test_torchrun_four_processes_pipeline_ring_and_rebuild(launched):
+    output = _finish(launched)
     assert _oks(output) == [f"OK rank {r} local {r}" for r in range(4)], output[-4000:]
 
 
-def test_torchrun_two_nodes_local_rank_differs_from_rank():
-    port = _free_port()
-    output = _finish([_torchrun("nodes", 2, node, 2, port) for node in (0, 1)])
+@pytest.mark.launch(_two_nodes, timeout=180)
+def test_torchrun_two_nodes_local_rank_differs_from_rank(launched):
+    output = _finish(launched)
     expected = ["OK rank 0 local 0", "OK rank 1 local 1", "OK rank 2 local 0", "OK rank 3 local 1"]
     assert _oks(output) == expected, output[-4000:]

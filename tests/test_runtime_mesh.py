@@ -7,7 +7,6 @@ import itertools
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -504,8 +503,10 @@ def _mpirun_or_skip():
     return path
 
 
-def test_mpirun_four_ranks_dist_init_cp2_pp2():
-    mpirun = _mpirun_or_skip()
+def _mpirun_four_ranks():
+    mpirun = find_mpirun()
+    if mpirun is None:
+        return []  # the test skips, saying why
     with socket.socket() as s:  # the rendezvous port; dist_init's tcp:// store listens on it
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -513,14 +514,14 @@ def test_mpirun_four_ranks_dist_init_cp2_pp2():
     # --oversubscribe: 4 ranks on fewer cores; --bind-to none: do not pin them to the same ones.
     cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "4",
            sys.executable, os.path.join(HERE, "launch_mpi.py")]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output = proc.communicate(timeout=150)[0]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    return [dict(args=cmd, env=env, stderr=subprocess.STDOUT)]
+
+
+@pytest.mark.launch(_mpirun_four_ranks, timeout=150)
+def test_mpirun_four_ranks_dist_init_cp2_pp2(launched):
+    _mpirun_or_skip()
+    (proc,) = launched
+    output = proc.stdout
     assert proc.returncode == 0, output[-6000:]
     oks = sorted(re.findall(r"OK rank (\d+) local (\d+)", output))
     assert oks == [(str(r), str(r)) for r in range(4)], output[-4000:]

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -17,16 +18,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_LATENT = "1,4,8,16,16"
 
 
-def _demo(*args, cwd):
+def _demo(*args):
     # PYTHONPATH names this checkout so the launcher and the ranks import the code under test; the
-    # subprocess timeout only turns a hang into a failure.
+    # launch's timeout only turns a hang into a failure. A fresh directory: the demo runs where a user would.
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "parallel_state", "demo", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=240)
+    return lambda: [dict(args=[sys.executable, "-m", "parallel_state", "demo", *args], cwd=tempfile.mkdtemp(),
+                         env=env)]
 
 
-def test_demo_end_to_end_on_four_ranks(tmp_path):
-    proc = _demo("--nproc", "4", "--latent", SMALL_LATENT, "--timeout", "200", cwd=tmp_path)
+@pytest.mark.launch(_demo("--nproc", "4", "--latent", SMALL_LATENT, "--timeout", "200"), timeout=240)
+def test_demo_end_to_end_on_four_ranks(launched):
+    (proc,) = launched
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     steps = re.findall(r"^\[\s*(\d+)/14\] (cp \d x pp \d)  (.+?)\s+ok\s+[\d.]+ s", out, flags=re.M)
@@ -58,9 +60,11 @@ def test_demo_end_to_end_on_four_ranks(tmp_path):
     assert "warn" not in (out + proc.stderr).lower()
 
 
-def test_demo_failing_check_exits_nonzero_with_one_line_per_rank(tmp_path):
-    # Rank 1 perturbs its shard before the pipeline: the one-process comparison must catch it.
-    proc = _demo("--nproc", "2", "--latent", SMALL_LATENT, "--corrupt-rank", "1", "--timeout", "200", cwd=tmp_path)
+# Rank 1 perturbs its shard before the pipeline: the one-process comparison must catch it.
+@pytest.mark.launch(_demo("--nproc", "2", "--latent", SMALL_LATENT, "--corrupt-rank", "1", "--timeout", "200"),
+                    timeout=240)
+def test_demo_failing_check_exits_nonzero_with_one_line_per_rank(launched):
+    (proc,) = launched
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert "[ 4/14] cp 2 x pp 1  DiT forward via scheduler" in proc.stdout
