@@ -219,8 +219,7 @@ def _measure_masked(rank: int, world: int, store: str, opts: dict[str, Any]) -> 
 
 def plan_facts(plan: Any) -> dict[str, Any]:
     """What a plan says of itself: its method, and where the planner has them, its transport and predicted time."""
-    return {"method": plan.method, "transport": getattr(plan, "transport", None),
-            "predicted_ms": getattr(plan, "predicted_ms", None)}
+    return {"method": plan.method, "transport": plan.transport, "predicted_ms": plan.predicted_ms}
 
 
 def count_ways(ways: dict[Any, Any], group: Any) -> dict[Any, tuple[float, float]]:

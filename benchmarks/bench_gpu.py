@@ -249,7 +249,7 @@ def _shape_rows(shape: Shape, rank: int, world: int, groups: dict[str, Any], dev
         row.update(sdpa_err=ref["sdpa_err"], sdpa_peak=ref["sdpa_peak"], ms=ms["ours"], sdpa_ms=ms["sdpa"],
                    efficiency=ms["sdpa"] / (world * ms["ours"]), status="ok",
                    plan=plan.method if call == "plan" else "contiguous (plain call)",
-                   transport=getattr(plan, "transport", None), predicted_ms=getattr(plan, "predicted_ms", None))
+                   transport=plan.transport, predicted_ms=plan.predicted_ms)
     return rows
 
 

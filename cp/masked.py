@@ -127,19 +127,11 @@ def agree(what: str, group: Any, plan: Any, named: Sequence[tuple[str, int]], la
                for i, row in enumerate(table) for c, (name, _) in enumerate(named, start=2) if row[c] != want[i]]
         return f"{'; '.join(bad)} (every {unit} rank's: {list(want)}); {fix}" if bad else None
 
-    row = [plan.fingerprint(), TRANSPORTS.index(transport_of(plan)), *(size for _, size in named)]
+    row = [plan.fingerprint(), TRANSPORTS.index(plan.transport), *(size for _, size in named)]
     check(what, row, group, judge, ring_group)
 
 
 # ----------------------------------------------------------------------------- the call
-
-
-def transport_of(plan: Any) -> str:
-    """The transport a plan asks for (``DispatchPlan.transport``; "p2p" for plans that do not say)."""
-    transport = getattr(plan, "transport", None) or "p2p"
-    if transport not in TRANSPORTS:
-        raise ValueError(f"cp attention: the plan's transport {transport!r} is not one of {TRANSPORTS}")
-    return transport
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sched: Schedule, group: Any, s: int, h: int,

@@ -223,7 +223,7 @@ def _masked_ring(what: str, q: Any, k: Any, v: Any, group: Any, args: Any) -> to
     elif q.shape[s] != plan.length:
         raise ValueError(f"{what}: q holds {q.shape[s]} tokens (seq_dim {args.seq_dim}) but the {layout} is for "
                          f"{plan.length}; without a group, pass the whole sequence")
-    return masked.attend(q, k, v, sched, group if n > 1 else None, s, h, scale, masked.transport_of(plan))
+    return masked.attend(q, k, v, sched, group if n > 1 else None, s, h, scale, plan.transport)
 
 
 __all__ = ["ring_attention", "ring_attention_blocks"]

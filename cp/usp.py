@@ -134,7 +134,7 @@ def _masked_usp(q: Any, k: Any, v: Any, ulysses_group: Any, ring_group: Any, arg
     seqs = None if len(set(block)) == 1 else [block] * 3
 
     def ring_fn(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
-        return masked.attend(qh, kh, vh, sched, ring_group, s, h, scale, masked.transport_of(plan))
+        return masked.attend(qh, kh, vh, sched, ring_group, s, h, scale, plan.transport)
 
     return _across_heads(q, k, v, ulysses_group, s, h, repeats, seqs, ring_fn)
 

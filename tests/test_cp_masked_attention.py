@@ -177,7 +177,7 @@ def case_ring_and_ulysses():
                 # The contiguous layout also by mask alone (with length=), as the plan the ring makes for it.
                 by_mask = method == "contiguous" and c % 4 == 1
                 kwargs = {"mask": mask, "length": length} if by_mask else {"plan": plan}
-                transport = cp.masked.transport_of(cp.plan_dispatch(mask, length, n, method=method)) if by_mask \
+                transport = cp.plan_dispatch(mask, length, n, method=method).transport if by_mask \
                     else transport
 
                 def ring(a, b, x, g=g, s=s, h=h, kwargs=kwargs):
