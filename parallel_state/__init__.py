@@ -135,6 +135,7 @@ from parallel_state.megatron.initialize import (  # noqa: F401
 from parallel_state.megatron.memory import (  # noqa: F401
     GlobalMemoryBuffer,
     GlobalSymmetricMemoryBuffer,
+    SymmetricMemoryManager,
     _set_global_symmetric_memory_buffer,
     destroy_global_memory_buffer,
     destroy_global_symmetric_memory_buffer,

@@ -22,6 +22,7 @@ from parallel_state.groups.process_groups import create_group, is_torch_min_vers
 from parallel_state.megatron.memory import (
     GlobalMemoryBuffer,
     GlobalSymmetricMemoryBuffer,
+    SymmetricMemoryManager,
     destroy_global_memory_buffer,
     get_global_memory_buffer,
     get_global_symmetric_memory_buffer,
@@ -330,6 +331,28 @@ def _gloo_timeout(group):
     return group._get_backend(torch.device("cpu")).options._timeout
 
 
+def _symmetric_memory_manager(group):
+    """megatron-core 0.17+'s SymmetricMemoryManager over a gloo group: what each step answers."""
+    import torch
+
+    out = []
+    try:
+        SymmetricMemoryManager.get_buffer("pair")
+    except ParallelStateAssertionError as exc:
+        out.append(type(exc).__name__)
+    buf = SymmetricMemoryManager.get_buffer("pair", process_group=group, size_mb=1)
+    out += [isinstance(buf.init_failure_reason, str) and bool(buf.init_failure_reason),
+            buf.maybe_get_tensor((2, 3), torch.float32), buf.maybe_get_tensors([(6, torch.float32), (1, torch.int8)]),
+            SymmetricMemoryManager.get_buffer("pair") is buf, SymmetricMemoryManager.is_initialized("pair")]
+    SymmetricMemoryManager.destroy()
+    out.append(SymmetricMemoryManager.is_initialized("pair"))
+    try:
+        SymmetricMemoryManager.get_buffer("pair", process_group="tp")
+    except ParallelStateTypeError as exc:
+        out.append(type(exc).__name__)
+    return out
+
+
 def _groups_and_timeouts(expected_hier, expected_hybrid):
     import os
 
@@ -388,6 +411,7 @@ def _groups_and_timeouts(expected_hier, expected_hybrid):
         hybrid = create_hybrid_dp_cp_groups(me, [0, 1, 2, 3], None)
         made += list(hybrid.values())
 
+        symmetric = _symmetric_memory_manager(mine)
         update_pg_timeout(datetime.timedelta(seconds=99))
         # Without include_world the default group keeps its timeout; the recorded groups change.
         world_kept = _gloo_timeout(c10d._get_default_group()) == original
@@ -418,6 +442,7 @@ def _groups_and_timeouts(expected_hier, expected_hybrid):
             "hybrid": {size: dist.get_process_group_ranks(g) for size, g in hybrid.items()},
             "errors": errors,
             "buffer_device": str(GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "x").device),
+            "symmetric": symmetric,
         } | {"ok": (expected_hier[me], expected_hybrid[me])}
     finally:
         for group in made:
@@ -452,6 +477,10 @@ def test_create_group_and_update_pg_timeout_on_gloo_ranks(pools, mc, monkeypatch
         assert res["errors"][:2] == ["ParallelStateTypeError", "ParallelStateError"]
         assert "outside the world of 4 ranks" in res["errors"][2]
         assert res["buffer_device"] == "cpu"  # the collective device under gloo
+        # gloo ranks share no GPU memory (on a GPU machine the rendezvous fails): the buffer is None, says why
+        assert res["symmetric"] == [
+            "ParallelStateAssertionError", True, {"tensor": None, "handle": None}, {"handle": None, "tensors": None},
+            True, True, False, "ParallelStateTypeError"], rank
 
 
 def test_create_group_needs_torch_distributed():

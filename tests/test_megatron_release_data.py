@@ -65,7 +65,8 @@ def test_installed_layouts_are_its_data(pools):
                      if want[section].get(key) != got.get(section, {}).get(key)}
             assert not wrong, (name, dict(list(wrong.items())[:5]))
             assert got == want, name
-            # Real layouts, not empty answers: groups of several ranks on every rank.
+            # Real layouts, not empty answers: groups of several ranks (not always data-parallel ones: tp2-gtp2-pp2
+            # on 8 ranks has dp 1); None on ranks outside rank_offset's window.
             if "initialize" not in got:
-                assert any(isinstance(v, dict) and len(v["group"]) > 1  # None on ranks outside rank_offset's window
-                           for v in got["globals"]["_DATA_PARALLEL_GROUP_WITH_CP"]), name
+                assert any(isinstance(v, dict) and len(v.get("group") or ()) > 1
+                           for values in got["globals"].values() if isinstance(values, list) for v in values), name

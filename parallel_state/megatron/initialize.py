@@ -269,6 +269,7 @@ def _free_companions() -> None:
 
     memory.destroy_global_memory_buffer()
     memory.destroy_global_symmetric_memory_buffer()
+    memory.SymmetricMemoryManager.destroy()
     process_groups.clear_process_groups()
 
 

@@ -4,11 +4,12 @@
 megatron-core's does, but allocates on the collective device (the CPU under gloo, the
 rank's CUDA device under NCCL) rather than always on CUDA, so code that takes its scratch
 tensors from it (megatron-core's attention, its tensor-parallel gathers) also runs on a CPU
-world. ``GlobalSymmetricMemoryBuffer`` (NVLS inference collectives) needs CUDA and torch's
-symmetric memory, and says so when they are missing.
+world. megatron-core 0.16's ``GlobalSymmetricMemoryBuffer`` (NVLS inference collectives) needs CUDA
+and torch's symmetric memory, and says so when they are missing; 0.17+'s ``SymmetricMemoryManager``
+keeps one ``SymmetricMemoryBuffer`` per key, which records why it has no memory instead.
 
 The module-level buffers follow megatron-core's lifecycle: ``initialize_model_parallel``
-sets the memory buffer, ``destroy_model_parallel`` drops both.
+sets the memory buffer, ``destroy_model_parallel`` drops them all (and the manager's buffers).
 """
 
 from __future__ import annotations
@@ -99,42 +100,48 @@ class GlobalMemoryBuffer:
         return buffer
 
 
-class GlobalSymmetricMemoryBuffer:
-    """One CUDA symmetric-memory buffer over ``process_group`` (megatron-core's NVLS inference collectives).
+def _check_size(size_in_mb: Any) -> None:
+    if isinstance(size_in_mb, bool) or not isinstance(size_in_mb, numbers.Real) or not size_in_mb > 0:
+        raise ParallelStateTypeError(f"size_in_mb must be a positive number such as 256, got {size_in_mb!r}")
 
-    Raises when CUDA or torch's symmetric memory is missing. As in megatron-core, when triton
-    is missing or the group cannot share memory (not within one NVLink domain), the buffer is
-    None and :meth:`maybe_get_tensor` answers ``{"tensor": None, "handle": None}``.
+
+def _check_group(process_group: Any) -> None:
+    import torch.distributed as dist
+
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise ParallelStateTypeError(f"process_group must be a process group, got {process_group!r}")
+
+
+class SymmetricMemoryBuffer:
+    """One CUDA symmetric-memory buffer over ``process_group`` (megatron-core 0.17+'s NVLS inference collectives).
+
+    As in megatron-core 0.17+, a missing piece is not an error: without CUDA, torch's symmetric
+    memory or triton, or when the group cannot share memory (not within one NVLink domain), the
+    buffer is None, ``init_failure_reason`` says why, and the ``maybe_get_*`` methods answer None,
+    so callers fall back to ordinary collectives.
     """
 
     def __init__(self, size_in_mb: float, process_group: Any) -> None:
-        if isinstance(size_in_mb, bool) or not isinstance(size_in_mb, numbers.Real) or not size_in_mb > 0:
-            raise ParallelStateTypeError(f"size_in_mb must be a positive number such as 256, got {size_in_mb!r}")
+        _check_size(size_in_mb)
+        _check_group(process_group)
+        self.symm_buffer: Any = None
+        self.symm_mem_hdl: Any = None
+        self.init_failure_reason: Optional[str] = self._rendezvous(size_in_mb, process_group)
+
+    def _rendezvous(self, size_in_mb: float, process_group: Any) -> Optional[str]:
+        """Map the buffer on every member of the group; None when that worked, else why not."""
         import torch
 
         if not torch.cuda.is_available():
-            raise ParallelStateError(
-                "GlobalSymmetricMemoryBuffer needs CUDA (symmetric memory lives on GPUs sharing NVLink) and this "
-                "process has none; it only serves megatron-core's NVLS inference collectives, which a CPU run "
-                "cannot use"
-            )
+            return "CUDA is not available (symmetric memory lives on GPUs sharing NVLink)"
         try:
             import torch.distributed._symmetric_memory as symm_mem
-        except ImportError as exc:
-            raise ParallelStateError(
-                f"GlobalSymmetricMemoryBuffer needs torch's symmetric memory (torch.distributed._symmetric_memory), "
-                f"which torch {torch.__version__} lacks; use torch >= 2.5 built with CUDA"
-            ) from exc
-        import torch.distributed as dist
-
-        if not isinstance(process_group, dist.ProcessGroup):
-            raise ParallelStateTypeError(f"process_group must be a process group, got {process_group!r}")
-        self.symm_buffer: Any = None
-        self.symm_mem_hdl: Any = None
+        except ImportError:
+            return "torch.distributed._symmetric_memory not importable"
         try:
             import triton  # noqa: F401  (megatron-core's NVLS kernels are triton kernels)
         except ImportError:
-            return
+            return "triton not installed"
         numel = int(size_in_mb * 1024 * 1024)  # bytes
         try:
             enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
@@ -144,9 +151,11 @@ class GlobalSymmetricMemoryBuffer:
                     enable(process_group.group_name)
             self.symm_buffer = symm_mem.empty(numel, dtype=torch.uint8, device="cuda")
             self.symm_mem_hdl = symm_mem.rendezvous(self.symm_buffer, process_group)
-        except RuntimeError:
+        except RuntimeError as exc:
             # The group's GPUs cannot map each other's memory: callers fall back to ordinary collectives.
             self.symm_buffer = self.symm_mem_hdl = None
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def _can_allocate(self, numel: int, dtype: Any) -> bool:
         """Whether ``numel`` elements of ``dtype`` fit in the buffer."""
@@ -164,6 +173,95 @@ class GlobalSymmetricMemoryBuffer:
         if self.symm_mem_hdl is None or not self._can_allocate(numel, dtype):
             return {"tensor": None, "handle": None}
         return {"tensor": self._allocate(numel, dtype).view(*tensor_shape), "handle": self.symm_mem_hdl}
+
+    def maybe_get_tensors(self, tensor_specs: Sequence[tuple[int, Any]], alignment: int = 16) -> dict[str, Any]:
+        """Tensors packed one after another, each starting at a multiple of ``alignment`` bytes.
+
+        ``tensor_specs`` is a list of ``(numel, dtype)``. The answer is ``{"handle": the handle,
+        "tensors": [(a uint8 view of the tensor's bytes, its byte offset), ...]}``, or both None when
+        there is no buffer or they do not fit.
+        """
+        if not is_int(alignment) or alignment < 1:
+            raise ParallelStateTypeError(f"alignment must be a positive number of bytes such as 16, got {alignment!r}")
+        slices, offset = [], 0
+        for numel, dtype in tensor_specs:
+            nbytes = int(numel) * dtype.itemsize
+            slices.append((offset, nbytes))
+            offset += -(-nbytes // alignment) * alignment
+        if self.symm_mem_hdl is None or offset > self.symm_buffer.numel():
+            return {"handle": None, "tensors": None}
+        return {"handle": self.symm_mem_hdl,
+                "tensors": [(self.symm_buffer[start:start + nbytes], start) for start, nbytes in slices]}
+
+
+class GlobalSymmetricMemoryBuffer(SymmetricMemoryBuffer):
+    """megatron-core 0.16's symmetric-memory buffer: as :class:`SymmetricMemoryBuffer`, but it raises
+    when CUDA or torch's symmetric memory is missing (triton missing, or a group that cannot share
+    memory, still leave the buffer None)."""
+
+    def __init__(self, size_in_mb: float, process_group: Any) -> None:
+        _check_size(size_in_mb)
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ParallelStateError(
+                "GlobalSymmetricMemoryBuffer needs CUDA (symmetric memory lives on GPUs sharing NVLink) and this "
+                "process has none; it only serves megatron-core's NVLS inference collectives, which a CPU run "
+                "cannot use"
+            )
+        try:
+            import torch.distributed._symmetric_memory  # noqa: F401
+        except ImportError as exc:
+            raise ParallelStateError(
+                f"GlobalSymmetricMemoryBuffer needs torch's symmetric memory (torch.distributed._symmetric_memory), "
+                f"which torch {torch.__version__} lacks; use torch >= 2.5 built with CUDA"
+            ) from exc
+        super().__init__(size_in_mb, process_group)
+
+
+class SymmetricMemoryManager:
+    """megatron-core 0.17+'s registry of symmetric-memory buffers, one per key (``"tp"``, ``"ep"``), each
+    made on first access; ``destroy_model_parallel`` drops them all.
+
+    ``SymmetricMemoryManager.get_buffer("tp", process_group=tp_group).maybe_get_tensor(shape, dtype)``
+    """
+
+    _buffers: dict[str, SymmetricMemoryBuffer] = {}
+    #: The size of a buffer made without ``size_mb``; None: the release in use's default (256 MiB in
+    #: megatron-core 0.17, 512 from 0.18: a ``release_table.BEHAVIOURS`` row).
+    _default_size_mb: Optional[int] = None
+
+    @classmethod
+    def get_buffer(cls, key: str, process_group: Any = None, size_mb: Optional[int] = None) -> SymmetricMemoryBuffer:
+        """The buffer for ``key``, made over ``process_group`` (needed on the key's first call) the first time."""
+        if key not in cls._buffers:
+            if process_group is None:
+                raise ParallelStateAssertionError(
+                    f"SymmetricMemoryManager: the first get_buffer({key!r}) needs process_group=, the group "
+                    "the buffer is shared over (megatron-core passes the tensor-parallel group for 'tp')"
+                )
+            cls._buffers[key] = SymmetricMemoryBuffer(size_in_mb=size_mb or cls._size_mb(), process_group=process_group)
+        return cls._buffers[key]
+
+    @classmethod
+    def _size_mb(cls) -> int:
+        """The size of a buffer made without ``size_mb``."""
+        from parallel_state.topology import releases
+
+        return cls._default_size_mb or (512 if releases.behaves("symmetric_memory_512_mb") else 256)
+
+    @classmethod
+    def destroy(cls, key: Optional[str] = None) -> None:
+        """Drop the buffer of ``key``, or every buffer when ``key`` is None."""
+        if key is None:
+            cls._buffers.clear()
+        else:
+            cls._buffers.pop(key, None)
+
+    @classmethod
+    def is_initialized(cls, key: str) -> bool:
+        """Whether a buffer was made for ``key``."""
+        return key in cls._buffers
 
 
 _GLOBAL_MEMORY_BUFFER: Optional[GlobalMemoryBuffer] = None

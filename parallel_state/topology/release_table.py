@@ -120,4 +120,6 @@ BEHAVIOURS: tuple[Fact, ...] = (
     Fact("all_ranks_with_gtp_remat", since="0.19"),
     #: ``RankGenerator`` appends the ``gtp_remat`` token to an order that does not name it.
     Fact("rank_generator_gtp_remat_token", since="0.19"),
+    #: ``SymmetricMemoryManager`` makes 512 MiB buffers by default (256 in 0.17, the first with it).
+    Fact("symmetric_memory_512_mb", since="0.18"),
 )
