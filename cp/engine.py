@@ -18,8 +18,11 @@ How K/V reach the ranks that need them (``AttentionCall.transport``):
   travel again and each block's dK/dV accumulator travels behind it, round the whole ring (every
   rank takes part in every step's exchange), back to the block's owner.
 - ``"p2p"``: straight from the owner to each rank that needs a block, only the needed tokens (at
-  step t to rank + t, from rank - t). Backward: a received block's dK/dV goes straight back to its
-  owner (one message per block).
+  step t to rank + t, from rank - t). On gloo the owner starts all its sends at step 0, so that no
+  receiver waits for the owner to reach a step (on shared CPU cores each such wait is a wake-up of
+  another process); NCCL orders a batch of sends and receives on one stream, where sends started
+  early would wait for receivers that wait for this rank, so there each step sends its own.
+  Backward: a received block's dK/dV goes straight back to its owner (one message per block).
 - ``"allgather"``: one all-gather of every rank's K/V (shards padded to the longest), overlapped
   with the rank's own block; backward gathers again and returns every block's dK/dV to its owner
   in one all-to-all (a reduce-scatter). Fewest messages: best for short sequences and many clips.
@@ -32,13 +35,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from cp import counting, kernels
-from cp.comm import global_ranks
+from cp.comm import backend_for, global_ranks
 from cp.mask_schedule import Block, Schedule, Tile
 
 TRANSPORTS = ("ring", "p2p", "allgather")
@@ -53,7 +56,10 @@ class AttentionCall:
     q, k, v are laid out with the sequence at dim ``seq_dim`` and the heads at ``head_dim`` (the
     last remaining dim is the feature dim); ``groups`` query heads share one K/V head (GQA);
     ``scale`` multiplies the scores. ``group``: the ranks attending together (None: one process);
-    ``schedule``: this rank's part; ``transport``: one of TRANSPORTS.
+    ``schedule``: this rank's part; ``transport``: one of TRANSPORTS. ``confirm``: the cross-rank check
+    of the call's inputs, started (``cp.masked.start_agree``): called once the rank's own block is
+    computed and before any K/V moves, so its round trip overlaps that compute and a mismatch raises
+    on every rank before anything is sent.
     """
 
     seq_dim: int
@@ -63,6 +69,7 @@ class AttentionCall:
     group: Any
     schedule: Schedule
     transport: str = "p2p"
+    confirm: Callable[[], None] | None = None
 
 
 def _p2p(ops: list[Any]) -> list[Any]:
@@ -128,6 +135,8 @@ class _Exchange:
         self.per_k, self.per_v = k[..., :1, :].numel(), v[..., :1, :].numel()  # elements per token
         self.rank, self.n = self.sched.rank, self.sched.n
         self.works: list[Any] = []
+        self.send_works: list[Any] = []  # p2p on gloo: every step's send of this rank's K/V, started at step 0
+        self.eager = self.group is not None and backend_for(self.group, k.device.type) == "gloo"
         self.recv: torch.Tensor | None = None
         self.held: torch.Tensor | None = None  # the ring's block held now (whole), or p2p's received one
         self.gathered: torch.Tensor | None = None
@@ -177,6 +186,8 @@ class _Exchange:
                 self._start_gather()
             return
         if transport == "p2p":
+            if t == 0 and self.eager:
+                self._post_sends()
             self._post_p2p(t + 1)
             return
         # The ring: pass the block held at step t on, receive the one of step t + 1.
@@ -196,15 +207,30 @@ class _Exchange:
                 self.tell("kv_received", prv, self.recv)
         self.works = _p2p(ops)
 
+    def _post_sends(self) -> None:
+        """Start every step's send of this rank's K/V at once (p2p on gloo, whose sends are independent works):
+        they are all ready now, so no receiver waits for this rank to reach a step; receivers still take
+        one block ahead."""
+        sched, ops, whole = self.sched, [], None
+        for send in sched.sends[1:]:
+            if send is None:
+                continue
+            if send.index is None:  # the whole block: one buffer serves every rank that needs it all
+                whole = self.pack(None) if whole is None else whole
+            packed = whole if send.index is None else self.pack(send.index)
+            ops.append(dist.P2POp(dist.isend, packed, self.ranks[send.dest], self.group, _TAG_KV))
+            self.tell("kv_sent", send.dest, packed)
+        self.send_works = _p2p(ops)
+
     def _post_p2p(self, t: int) -> None:
-        """Start step t's K/V transfer (send to rank + t, receive from rank - t)."""
+        """Start step t's K/V transfer: receive from rank - t and (unless started at step 0) send to rank + t."""
         sched = self.sched
         self.works, self.recv = [], None
         if t == 0 or t >= sched.n:
             return
         ops = []
         send, block = sched.sends[t], sched.blocks[t]
-        if send is not None:
+        if send is not None and not self.eager:
             packed = self.pack(send.index)
             ops.append(dist.P2POp(dist.isend, packed, self.ranks[send.dest], self.group, _TAG_KV))
             self.tell("kv_sent", send.dest, packed)
@@ -253,6 +279,9 @@ class _Exchange:
     def finish(self, t: int) -> None:
         _wait(self.works)
         self.works = []
+        if t == self.n - 1:  # the pass's last step: every send has been received
+            _wait(self.send_works)
+            self.send_works = []
         if self.call.transport != "allgather":
             self.held = self.recv  # step t + 1's block (p2p: None when there is none)
 
@@ -386,7 +415,8 @@ class _Engine(torch.autograd.Function):
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=cd)
         fresh = True  # nothing merged yet: a first tile of every row is the result so far
         for t in range(sched.n):
-            ex.start(t)  # overlaps this step's compute
+            if t or call.confirm is None:
+                ex.start(t)  # overlaps this step's compute
             block = sched.blocks[t]
             if block is not None:
                 kb, vb = ex.kv(t, block)
@@ -404,6 +434,9 @@ class _Engine(torch.autograd.Function):
                     for c in counts:
                         c.pairs += per_row * tile.allowed
                         c.scores += per_row * tile.num_rows * (tile.c1 - tile.c0)
+            if t == 0 and call.confirm is not None:
+                call.confirm()  # every rank's inputs agree: now the K/V may move
+                ex.start(0)
             ex.finish(t)
         for c in counts:
             c.calls += 1
