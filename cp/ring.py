@@ -176,8 +176,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: 
     With a plan, this rank holds the tokens ``plan.positions[rank]`` (what ``cp.dispatch`` gives it)
     and the mask is the plan's; with a mask alone, the contiguous split above. K/V then go point to
     point from their owner to exactly the ranks whose queries see them (see ``cp.masked``); one
-    small all-gather first checks every rank's token count and plan, so a mistake raises on every
-    rank. ``causal=True`` is the plain path; with a mask, pass ``cp.Mask.causal()`` instead.
+    small gather checks every rank's token count and plan before any K/V moves, so a mistake raises
+    on every rank. ``causal=True`` is the plain path; with a mask, pass ``cp.Mask.causal()`` instead.
     """
     what = "ring_attention"
     if cp_group is not None:
