@@ -1,7 +1,7 @@
 """Masked attention (``mask=`` / ``plan=``) of cp's ring, Ulysses and usp on real gloo ranks: float64 equality
 with one process attending under the dense mask (output and q, k, v gradients) for every mask kind, balanced and
-contiguous plans (and whole-clip plans for usp 2 x 2), even and uneven lengths, GQA; the work each rank counts equals the plan's; K/V reach exactly
-the ranks whose queries see them; bad combinations raise on every rank."""
+contiguous plans (and whole-clip plans for usp 2 x 2), even and uneven lengths, GQA; the work each rank counts
+equals the plan's; K/V reach exactly the ranks whose queries see them; bad combinations raise on every rank."""
 
 from __future__ import annotations
 
