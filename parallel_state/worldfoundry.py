@@ -107,10 +107,10 @@ get_tp_group = _compile(_get_tp_group, {"default": "tp.group", "cp": "tp-cp.grou
 
 def _get_tensor_model_parallel_src_rank(with_context_parallel: bool = False) -> int:
     """First global rank of this rank's tensor-parallel group (tp x cp with ``with_context_parallel``)."""
-    return _acc.get_tensor_model_parallel_src_rank(with_context_parallel=with_context_parallel)
+    return _lookup("tp-cp.src" if _flag("with_context_parallel", with_context_parallel) else "tp.src")
 
 
-# WorldFoundry passes the flag positionally too; parallel_state's own accessor takes it by keyword only.
+# WorldFoundry's extension of megatron-core's accessor (which takes no argument), positional as there.
 get_tensor_model_parallel_src_rank = _compile(
     _get_tensor_model_parallel_src_rank, {"default": "tp.src", "cp": "tp-cp.src"},
     name="get_tensor_model_parallel_src_rank")

@@ -7,9 +7,11 @@ Helpers shared across them live here and in ``rankpool.py``, ``cpgroups.py``, ``
 the ``launch_*.py`` programs that tests start under real launchers.
 
 ``pools(n)`` gives ``n`` ranks without megatron-core; ``pools(n, megatron=True)`` gives ``n`` ranks
-that imported megatron-core once, before forking (the default in ``test_megatron_*`` files). The
-two kinds never mix, so code that behaves differently once megatron-core is loaded (the bridge)
-is tested both ways, whatever order the files run in.
+that imported megatron-core once, before forking (the default in ``test_megatron_*`` files);
+``pools(n, release="0.19")`` gives ranks that follow that megatron-core release's API (its accessors
+take exactly its parameters), whatever is installed. The kinds never mix, so code that behaves
+differently once megatron-core is loaded (the bridge) is tested both ways, whatever order the files
+run in.
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ class Pools:
     def __init__(self) -> None:
         self._pools: dict[tuple[int, bool], RankPool] = {}
 
-    def __call__(self, world_size: int, *, megatron: bool = False) -> RankPool:
-        key = (world_size, megatron)
+    def __call__(self, world_size: int, *, megatron: bool = False, release: str | None = None) -> RankPool:
+        key = (world_size, megatron, release)
         pool = self._pools.get(key)
         if pool is None or pool.broken:
             preload = MEGATRON_PRELOAD if megatron and importlib.util.find_spec("megatron") else ()
-            pool = self._pools[key] = RankPool(world_size, preload=preload)
+            env = {} if release is None else {"PARALLEL_STATE_MEGATRON_RELEASE": release}
+            pool = self._pools[key] = RankPool(world_size, preload=preload, env=env)
         return pool
 
     def close(self) -> None:
@@ -72,8 +75,8 @@ def pools(request, session_pools):
     """``pools(n)`` / ``pools(n, megatron=True)``; megatron-core ranks by default in ``test_megatron_*`` files."""
     default = request.module.__name__.rpartition(".")[2].startswith("test_megatron_")
 
-    def get(world_size: int, *, megatron: bool = default) -> RankPool:
-        return session_pools(world_size, megatron=megatron)
+    def get(world_size: int, *, megatron: bool = default, release: str | None = None) -> RankPool:
+        return session_pools(world_size, megatron=megatron, release=release)
 
     return get
 

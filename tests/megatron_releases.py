@@ -176,3 +176,24 @@ def changed_signatures(old: str, new: str) -> list[str]:
 
     a, b = entries(old), entries(new)
     return sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
+
+
+#: parallel_state's functions (and constructors) that add keyword-only parameters (this project's, or another
+#: release's) after megatron-core's own: each is called once per topology, not per layer, so the generic call
+#: a keyword-only parameter costs does not matter there. Every other public function takes exactly the
+#: parameters of the release in use.
+EXTENDED = ("initialize_model_parallel", "update_pg_timeout", "GlobalMemoryBuffer.__init__", "RankGenerator.__init__")
+
+
+def signature_differences(name: str, module: Any) -> dict[str, list[list[Any]]]:
+    """``module``'s functions whose parameters (names, kinds, defaults) are not exactly those of release
+    ``name``'s function of that name: function -> ours as ``[name, kind, repr(default) or None]``."""
+    import inspect
+
+    wrong = {}
+    for function, theirs in release(name)["public"]["functions"].items():
+        ours = [[p.name, p.kind.name.lower().replace("_", "-"), None if p.default is p.empty else repr(p.default)]
+                for p in inspect.signature(getattr(module, function)).parameters.values()]
+        if ours != [[p["name"], p["kind"], p["default"]] for p in theirs]:
+            wrong[function] = ours
+    return wrong

@@ -1,7 +1,7 @@
 """Masked attention (``mask=`` / ``plan=``) of cp's ring, Ulysses and usp on real gloo ranks: float64 equality
 with one process attending under the dense mask (output and q, k, v gradients) for every mask kind, balanced and
-contiguous plans, even and uneven lengths, GQA; the work each rank counts equals the plan's; K/V reach exactly
-the ranks whose queries see them; bad combinations raise on every rank."""
+contiguous plans (and whole-clip plans for usp 2 x 2), even and uneven lengths, GQA; the work each rank counts
+equals the plan's; K/V reach exactly the ranks whose queries see them; bad combinations raise on every rank."""
 
 from __future__ import annotations
 
@@ -221,8 +221,10 @@ def case_usp():
     me, j = ps.get_context_parallel_rank(), rg.rank()
     checks, worst = 0, 0.0
     _small_tiles()
+    # Besides every case: the packed masks with whole clips per rank (method="clips"), uneven shard sizes.
+    clips = [(mask, 21, "clips", HEADS[i % 3]) for i, mask in enumerate(_masks(21)) if mask.kind == "packed"]
     try:
-        for c, (mask, length, method, heads) in enumerate(_cases(4)):
+        for c, (mask, length, method, heads) in enumerate(_cases(4) + clips):
             _, _, s, h = heads
             cp.kernels.use_fused = c % 2 == 1
             plan = _with_transport(cp.plan_dispatch(mask, length, 4, method=method), cp.engine.TRANSPORTS[c % 3])
@@ -369,7 +371,7 @@ def test_masked_ring_and_ulysses_match_one_process_at_cp_2_3_4(pools):
 
 def test_masked_usp_2x2_matches_one_process_and_counts_the_plans_work(pools):
     results = pools(4).run(case_usp, timeout=120)
-    assert [c for c, _ in results] == [len(_cases(4))] * 4
+    assert [c for c, _ in results] == [len(_cases(4)) + 2] * 4  # every case, and two clips plans
 
 
 def test_masked_ring_sends_only_to_ranks_that_need_the_keys(pools):

@@ -235,8 +235,8 @@ def test_signature_is_megatrons():
                  "get_tensor_and_data_parallel_group", "get_data_parallel_group_gloo"):
         theirs_f = inspect.signature(getattr(mpu, name)).parameters
         ours_f = inspect.signature(getattr(ps, name)).parameters
-        # megatron-core's parameters first, in its order; a later release's (0.19's with_gtp_remat) may follow.
-        assert list(ours_f)[:len(theirs_f)] == list(theirs_f), name
+        # Exactly megatron-core's parameters, in its order (no later release's with_gtp_remat under 0.16).
+        assert list(ours_f) == list(theirs_f), name
 
 
 def case_overrides():

@@ -385,17 +385,26 @@ if NO_NCCL_BACKEND:
 _KIND = {TypeError: "is_type", ParallelStateError: "is_pse", NotImplementedError: "is_nie", AssertionError: "is_assert"}
 
 
+#: A correct initialize (about 0.1-0.2 s on 4 ranks) follows every RETRY_EVERY-th row and the last one; after
+#: every row, torch's group tables and parallel_state's state and answers are as before it.
+RETRY_EVERY = 4
+
+
 def case_bad_initialize(rows):
-    """Every row fails with nothing left behind, and a correct call right after it succeeds."""
+    """Every row fails with nothing left behind, and a correct call right after it (every few rows) succeeds."""
+    from parallel_state.groups import state
+    from parallel_state.megatron.answers import ANSWERS
+
     out = {}
-    for name, kwargs in rows.items():
+    for i, (name, kwargs) in enumerate(rows.items()):
         kwargs = dict(kwargs)
         if "timeout" not in kwargs and "distributed_timeout_minutes" not in kwargs:
             kwargs["timeout"] = SECONDS
         before = _registry()
         error, _ = _attempt(ps.initialize_model_parallel, **kwargs)
-        out[name] = {"error": error, "clean": _registry() == before and not ps.is_initialized(),
-                     "retry": _correct_call_works()}
+        clean = _registry() == before and not ps.is_initialized() and state.peek() is None and not ANSWERS
+        retry = _correct_call_works() if i % RETRY_EVERY == RETRY_EVERY - 1 or i == len(rows) - 1 else None
+        out[name] = {"error": error, "clean": clean, "retry": retry}
     return out
 
 
@@ -414,7 +423,13 @@ def test_bad_initialize_arguments(bad_initialize, row):
         assert out["error"][_KIND[exc_type]], (rank, row, out["error"])
         assert text in out["error"]["message"], (rank, row, out["error"]["message"])
         assert out["clean"], (rank, row, "left state behind")
-        assert out["retry"], (rank, row, "a correct call failed afterwards")
+        assert out["retry"] in (True, None), (rank, row, "a correct call failed afterwards")
+
+
+def test_a_correct_call_works_after_every_few_bad_ones(bad_initialize):
+    for results in bad_initialize:
+        retries = [out["retry"] for out in results.values()]
+        assert retries.count(True) == -(-len(INIT_ROWS) // RETRY_EVERY) and retries[-1] is True, retries
 
 
 def test_wrong_types_are_both_type_errors_and_parallel_state_errors(bad_initialize):

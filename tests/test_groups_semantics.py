@@ -125,26 +125,32 @@ def test_two_kinds_with_equal_ranks_keep_their_own_collectives(pools):
     assert pools(4).run(case_opposite_order) == [(3.0, 300.0)] * 2 + [(7.0, 700.0)] * 2
 
 
-def _try_all_reduce(group, absent, timeout):
-    """All-reduce on ``group`` unless this rank is ``absent``; every rank then waits past the timeout,
-    so no rank tears its groups down while a peer still waits for its own timeout to fire."""
+def _try_all_reduces(groups, absent, timeout):
+    """All-reduce on each of ``groups`` at once (one timeout window for all) unless this rank is ``absent``;
+    every rank then waits past the timeout, so no rank tears its groups down while a peer still waits for
+    its own timeout to fire. One outcome per group."""
     import torch
     import torch.distributed as dist
 
     deadline = time.monotonic() + 1.75 * timeout.total_seconds()
-    outcome = "absent"
-    if dist.get_rank() != absent:
-        try:
-            dist.all_reduce(torch.ones(1), group=group)
-            outcome = "done"
-        except Exception as exc:
-            text = str(exc).lower()
-            # A member whose own timeout fires first may close its connections: a peer still waiting
-            # then sees them closed before its own timeout, which is the same failure, seen second-hand.
-            outcome = ("raised" if "timed out" in text or "timeout" in text else
-                       "peer gave up" if "closed by peer" in text or "connection reset" in text else f"other: {exc}")
+    if dist.get_rank() == absent:
+        outcomes = ["absent"] * len(groups)
+    else:
+        works = [dist.all_reduce(torch.ones(1), group=g, async_op=True) for g in groups]
+        outcomes = []
+        for work in works:
+            try:
+                work.wait()
+                outcomes.append("done")
+            except Exception as exc:
+                text = str(exc).lower()
+                # A member whose own timeout fires first may close its connections: a peer still waiting
+                # then sees them closed before its own timeout, which is the same failure, seen second-hand.
+                outcomes.append("raised" if "timed out" in text or "timeout" in text else
+                                "peer gave up" if "closed by peer" in text or "connection reset" in text else
+                                f"other: {exc}")
     time.sleep(max(0.0, deadline - time.monotonic()))
-    return outcome
+    return outcomes
 
 
 def case_timeouts(seconds):
@@ -152,11 +158,11 @@ def case_timeouts(seconds):
     # factor): an answer at all proves the kind's own timeout of a second or so fired.
     timeout = datetime.timedelta(seconds=seconds)
     ps.initialize_model_parallel(context_parallel_size=4, timeout=timeout)
-    cp = _try_all_reduce(ps.get_context_parallel_group(), 3, timeout)
+    [cp] = _try_all_reduces([ps.get_context_parallel_group()], 3, timeout)
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, timeout=timeout)
-    tp = _try_all_reduce(ps.get_tensor_model_parallel_group(), 3, timeout)
-    pp = _try_all_reduce(ps.get_pipeline_model_parallel_group(), 3, timeout)
+    tp, pp = _try_all_reduces([ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()], 3,
+                              timeout)
     return cp, tp, pp
 
 

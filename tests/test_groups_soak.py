@@ -12,8 +12,8 @@ import parallel_state as ps
 
 # A leaked socket shows in the descriptors after one cycle, a leaked group in torch's tables at once;
 # memory needs more: a leak of a few groups' worth a cycle (hundreds of KiB) outgrows the allowance
-# below (3 KiB per group per cycle, 512 KiB of slack) within ten settled cycles, and 24 are measured.
-CYCLES = 32
+# below (3 KiB per group per cycle, 512 KiB of slack) within ten settled cycles, and 16 are measured.
+CYCLES = 24
 WARMUP = 8  # allocator pools and caches settle during the first cycles
 TOPOLOGIES = [dict(cp_size=2, pp_size=2), dict(tensor_model_parallel_size=2, cp_size=2), dict(cp_size=4),
               dict(cp_size=2, order="tp-cp-pp-dp")]  # the last has dp=2

@@ -113,12 +113,23 @@ def test_no_public_function_pastes_a_signature():
                 assert inspect.Parameter.VAR_KEYWORD not in kinds, name
 
 
+EXTENDED = tuple(f for f in mr.EXTENDED if "." not in f)  # the functions among them
+
+
+def test_every_other_function_takes_exactly_the_release_in_uses_parameters():
+    """Under 0.16 (the installed release): no other release's parameter, by position or by keyword."""
+    assert sorted(mr.signature_differences("0.16", ps)) == sorted(EXTENDED)
+
+
 _PROBE = r"""
 import datetime, inspect, json, os, sys
 import torch.distributed as dist
 import parallel_state as ps
 from parallel_state import RankGenerator
+import megatron_releases as mr
 out = {"release": ps.megatron_release()}
+if out["release"] in mr.names():
+    out["differences"] = sorted(mr.signature_differences(out["release"], ps))
 names = ["initialize_model_parallel", "get_data_parallel_group", "get_data_parallel_rank",
          "get_expert_data_parallel_group", "get_expert_data_parallel_rank"]
 out["signatures"] = {n: [[p.name, p.kind.name] for p in inspect.signature(getattr(ps, n)).parameters.values()]
@@ -160,21 +171,27 @@ print(json.dumps(out))
 
 
 def _probe(release, tmp_path):
-    env = {**os.environ, releases.ENV: release}
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, releases.ENV: release,
+           "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
     run = subprocess.run([sys.executable, "-c", _PROBE, str(tmp_path / f"store{release}")], env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("release", ["0.18", "0.19"])
+@pytest.mark.parametrize("release", ["0.17", "0.18", "0.19"])
 def test_a_process_binds_as_the_release_it_declares(tmp_path, release):
     out = _probe(release, tmp_path)
     assert out["release"] == release
+    assert out["differences"] == sorted(EXTENDED)  # every other function: exactly the release's parameters
     # Every table function takes exactly the release's parameters positionally, in its order (its data's).
     for function, (positional, refused) in out["table"].items():
         assert positional == [p["name"] for p in _public(function, release)], function
         assert refused, f"{function} accepts a positional value beyond megatron-core {release}'s parameters"
+    if release == "0.17":  # 0.16's accessors; initialize_model_parallel gained rank_offset, local_world_size
+        assert out["dp(True, True, True)"] == "ok"
+        return
     if release == "0.18":
         assert out["dp(True, True, True)"].startswith("TypeError")  # independent_all_gather ended at 0.17
         return
@@ -203,14 +220,16 @@ def test_the_installed_release_binds_positional_getters_as_it_does():
     # 0.16: the second value is partial_data_parallel, which needs context parallelism.
     with pytest.raises(AssertionError, match="partial data parallelism"):
         ps.get_data_parallel_group(False, True)
-    # 0.16's three, then 0.19's with_gtp_remat, which no 0.16 call reaches.
+    # Exactly 0.16's three, in its order: no other release's parameter, positional or keyword.
     assert [*inspect.signature(ps.get_data_parallel_group).parameters] == [
-        "with_context_parallel", "partial_data_parallel", "independent_all_gather", "with_gtp_remat"]
+        "with_context_parallel", "partial_data_parallel", "independent_all_gather"]
     with pytest.raises(TypeError, match="multiple values for argument 'partial_data_parallel'"):
         ps.get_data_parallel_group(True, False, partial_data_parallel=True)
-    # 0.19's keyword works here, keyword-only: a fourth positional value is refused, as 0.16 refuses it.
-    with pytest.raises(AssertionError, match="not initialized"):  # accepted: it asks for the groups
+    # 0.19's keyword is refused as megatron-core 0.16 refuses it (set the release to 0.19 to use it).
+    with pytest.raises(TypeError, match="unexpected keyword argument 'with_gtp_remat'"):
         ps.get_data_parallel_group(with_gtp_remat=False)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'with_egtp_remat'"):
+        ps.get_expert_tensor_model_pipeline_parallel_group(with_egtp_remat=True)
     with pytest.raises(TypeError, match="from 0 to 3 positional arguments but 4 were given"):
         ps.get_data_parallel_group(False, False, False, True)
 
@@ -277,7 +296,8 @@ def case_gtp(topologies):
 
 @pytest.fixture(scope="module")
 def gtp_results(pools):
-    return pools(8).run(case_gtp, GTP_TOPOLOGIES, timeout=240)
+    # gtp_remat is 0.19's: its accessors take with_gtp_remat where 0.19 is the release in use.
+    return pools(8, megatron=False, release="0.19").run(case_gtp, GTP_TOPOLOGIES, timeout=240)
 
 
 @pytest.mark.parametrize("label", sorted(GTP_TOPOLOGIES))

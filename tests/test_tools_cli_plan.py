@@ -94,7 +94,7 @@ def test_plan_tables(capsys):
 def test_plan_wraps_long_rank_lists_between_groups(capsys):
     code, out, _ = _run(capsys, _argv(64, 2, 4, 2, None))
     assert code == 0
-    tp_lines = out.split("  tp     tensor parallel: 32 groups of 2\n")[1].split("\n  cp ")[0].splitlines()
+    tp_lines = out.split("  tp     tensor-model-parallel: 32 groups of 2\n")[1].split("\n  cp ")[0].splitlines()
     assert len(tp_lines) > 1 and all(len(line) <= 100 for line in tp_lines)
     groups = [g for line in tp_lines for g in line.strip().split("  ")]
     assert groups == [f"[{2 * i}, {2 * i + 1}]" for i in range(32)]

@@ -248,7 +248,8 @@ def case_replay(world):
                tp_ranks=dist.get_process_group_ranks(D.get_tp_group()),
                tp_group_unchecked=D.get_tp_group(check_initialized=False) is ps.get_tp_group(),
                src=D.get_tensor_model_parallel_src_rank(), src_cp=D.get_tensor_model_parallel_src_rank(True),
-               ps_src_cp=ps.get_tensor_model_parallel_src_rank(with_context_parallel=True),
+               ps_src=ps.get_tensor_model_parallel_src_rank(),
+               ps_src_keyword=_raises(ps.get_tensor_model_parallel_src_rank, with_context_parallel=True),
                ps_src_positional=_raises(ps.get_tensor_model_parallel_src_rank, True),
                tp_list=D.get_tensor_model_parallel_ranks(with_context_parallel=True),
                last=D.get_tensor_model_parallel_last_rank(with_context_parallel=True),
@@ -354,8 +355,10 @@ def test_replay_worldfoundry_call_forms(pools, world):
         assert (out["tpcp_rank"], out["tpcp_size"], out["tpcp_ranks"]) == (cp_rank, cp, cp_ranks)
         assert out["tp_group_unchecked"]
         assert (out["src"], out["src_cp"], out["tp_list"], out["last"]) == (rank, cp_ranks[0], cp_ranks, cp_ranks[-1])
-        # parallel_state's own accessor takes the flag by keyword only (megatron-core's takes no argument).
-        assert out["ps_src_cp"] == cp_ranks[0] and out["ps_src_positional"].startswith("TypeError")
+        # parallel_state's own accessor is megatron-core's, which takes no argument; the flag is WorldFoundry's.
+        assert out["ps_src"] == rank
+        assert "unexpected keyword argument 'with_context_parallel'" in out["ps_src_keyword"]
+        assert out["ps_src_positional"].startswith("TypeError")
         assert (out["first"], out["pp_last"]) == (pp_ranks[0], pp_ranks[-1])
         assert (out["next"], out["prev"]) == (pp_ranks[(pp_rank + 1) % pp], pp_ranks[(pp_rank - 1) % pp])
         assert out["is_last"] == (rank == world - 1) and out["is_last_tp_cp"] == (cp_rank == cp - 1)

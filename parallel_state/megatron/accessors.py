@@ -5,9 +5,9 @@ override changes, so a call costs one dict lookup; arguments are validated only 
 default path. Most accessors repeat one of a few shapes and are made by the factories below,
 one line each, with megatron-core's parameter names and defaults. Where the parameters differ
 between megatron-core releases, the reference below takes every release's, without defaults: the
-accessor's signature (the release in use's positional parameters in its order, the others
-keyword-only, with their defaults) is the release table's (``release_table.SIGNATURES``), and its
-fast twin (``compiled``) passes every argument to the reference by keyword.
+accessor's signature (exactly the release in use's parameters, in its order, with their defaults)
+is the release table's (``release_table.SIGNATURES``), and its fast twin (``compiled``) passes
+every argument to the reference by keyword, the other releases' at their defaults.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = F
             return _A["edp.group"]
         except KeyError:
             pass
-    return get_expert_data_parallel_group(with_gtp_remat=False, partial_expert_data_parallel=partial_expert_data_parallel)
+    return _lookup(_edp_key("group", False, partial_expert_data_parallel))
 
 
 def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False) -> Any:
@@ -278,13 +278,9 @@ get_pipeline_model_parallel_prev_rank = _value(
 get_all_ranks = _value("all_ranks", "This rank's tp, dp, cp, pp and ep ranks joined by '_' (megatron-core's format).")
 
 
-def get_tensor_model_parallel_src_rank(*, with_context_parallel: bool = False) -> int:
-    """First global rank of this rank's tensor-parallel group (tp x cp with WorldFoundry's ``with_context_parallel``).
-
-    megatron-core's accessor takes no argument; the keyword is an extension, keyword-only so
-    that every megatron-core call form stays what it was.
-    """
-    return _lookup("tp-cp.src" if flag("with_context_parallel", with_context_parallel) else "tp.src")
+def get_tensor_model_parallel_src_rank() -> int:
+    """First global rank of this rank's tensor-parallel group."""
+    return _lookup("tp.src")
 
 
 def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
@@ -393,7 +389,7 @@ for _fn, _variants in {
     get_expert_tensor_model_pipeline_parallel_group: dict(default="etp-ep-pp.group", egtp="etp-ep-egtp-pp.group"),
     get_expert_data_parallel_group_gloo: dict(default="edp.gloo", partial="edp-intra.gloo"),
     get_data_parallel_src_rank: dict(default="dp.src", cp="dp-cp.src"),
-    get_tensor_model_parallel_src_rank: dict(default="tp.src", cp="tp-cp.src"),
+    get_tensor_model_parallel_src_rank: dict(default="tp.src"),
     is_pipeline_first_stage: dict(default="pp.is_first"), is_pipeline_last_stage: dict(default="pp.is_last"),
     is_rank_in_embedding_group: dict(default="embd.in"), is_rank_in_position_embedding_group: dict(default="pos-embd.in"),
     get_tp_group: dict(default="tp.group", cp="tp-cp.group"), get_tp_rank: dict(default="tp.rank", cp="tp-cp.rank"),

@@ -3,8 +3,9 @@
 An accessor runs per layer and per micro-batch. ``compile_accessor`` gives a reference accessor
 (``accessors.py``, which holds the semantics: validation, errors, megatron-core's fallbacks) a
 fast twin with the same name, docstring and answers. Its parameters are the release table's for
-the release in use where the accessor has rows there (``release_table.SIGNATURES``: that release's
-positional, in its order, the other releases' keyword-only), else the reference's own. The twin is
+the release in use where the accessor has rows there (``release_table.SIGNATURES``: exactly that
+release's, in its order; the reference gets the other releases' defaults), else the reference's
+own. The twin is
 a plain ``def`` made from those parameters (``topology.codegen``), over a small globals namespace
 of its own: ``reference`` (the reference accessor) and one variable per variant (``a_default``,
 ``a_cp``, ...) holding its precomputed answer. It first tests the common argument values, one
@@ -20,10 +21,12 @@ Why a namespace per twin rather than closures: a global read is what megatron-co
 cost (its ``assert _GROUP is not None; return _GROUP``), while a closure pays to copy its cells into
 every call's frame. Measured with ``python -m benchmarks.bench_accessors`` on this project's 2-CPU
 machine: closures cost 3 to 6 ns more per call than global reads (about 45 against 40 ns). Why
-plain parameters: CPython specializes a call only to a function without ``*args``, ``**kwargs`` or
-keyword-only parameters; a keyword-only parameter (another release's keyword, such as 0.19's
-``with_gtp_remat`` under 0.16) makes every call of that accessor a generic one, about twice the
-cost of a call without arguments (`python -m benchmarks.bench_accessors --direct`).
+plain parameters, and none of another release: CPython specializes a call only to a function
+without ``*args``, ``**kwargs`` or keyword-only parameters; a keyword-only parameter (another
+release's keyword, such as 0.19's ``with_gtp_remat`` under 0.16) made every call of that accessor a
+generic one, about 30 ns more (`python -m benchmarks.bench_accessors --direct`). Only for a release
+parallel_state does not know does a twin keep keyword-only parameters (every known release's
+keywords after the shared positions).
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ def _parameters(reference: Callable[..., Any], name: str
         if {p.name for p in rows} != {*positional, *keyword_only}:
             raise ValueError(f"{name}: the reference's parameters {positional + keyword_only} are not the release "
                              f"table's {[p.name for p in rows]}")
+        if releases.beyond() is None:  # a known release: exactly its parameters, as its function has them
+            return [(p.name, p.default) for p in releases.positional(name)], [], None
         return ([(p.name, p.default) for p in releases.positional(name)],
                 [(p.name, p.default) for p in releases.keyword_only(name)], releases.beyond())
     defaults = reference.__defaults__ or ()
@@ -76,8 +81,8 @@ def _parameters(reference: Callable[..., Any], name: str
             [(n, kwdefaults.get(n, REQUIRED)) for n in keyword_only], None)
 
 
-def _turned_on(name: str, variant: str, names: set[str]) -> frozenset[str]:
-    """The flags ``variant`` turns on."""
+def _turned_on(name: str, variant: str, names: set[str], absent: set[str]) -> frozenset[str] | None:
+    """The flags ``variant`` turns on; None if one is another release's (``absent``): no call reaches it."""
     if variant == "default":
         return frozenset()
     on, words, word = set(), [], ""
@@ -88,6 +93,8 @@ def _turned_on(name: str, variant: str, names: set[str]) -> frozenset[str]:
             word = ""
     for part in words + ([word] if word else []):
         found = [flag for flag in WORDS.get(part, ()) if flag in names]
+        if not found and absent.intersection(WORDS.get(part, ())):
+            return None
         if not found:
             raise ValueError(f"{name}: the variant {variant!r} turns on {part!r}, which none of its parameters "
                              f"{sorted(names)} is (variant words: {sorted(WORDS)})")
@@ -126,13 +133,16 @@ def compile_accessor(reference: Callable[..., Any], variants: dict[str, str], na
     name = name or reference.__name__
     positional, keyword_only, beyond = _parameters(reference, name)
     names = {n for n, _ in positional + keyword_only}
-    flags = {variant: _turned_on(name, variant, names) for variant in variants}
+    absent = tuple((p.name, p.default) for p in SIGNATURES.get(name, ()) if p.name not in names)
+    flags = {variant: _turned_on(name, variant, names, {n for n, _ in absent}) for variant in variants}
+    variants = {variant: key for variant, key in variants.items() if flags[variant] is not None}
+    flags = {variant: on for variant, on in flags.items() if on is not None}
     for n in names & set().union(*flags.values()):
         if dict(positional + keyword_only)[n] is not False:
             raise ValueError(f"{name}: a variant turns on {n}, which does not default to False")
     if len(set(flags.values())) != len(flags):
         raise ValueError(f"{name}: two variants turn on the same flags {flags}")
-    shape = (codegen.parameter_text(positional, keyword_only, beyond), tuple(flags.items()))
+    shape = (codegen.parameter_text(positional, keyword_only, beyond), tuple(flags.items()), absent)
     if shape not in _SHAPES:
         tested = [(n, d) for n, d in positional + keyword_only if n not in UNTESTED]
         body = [f"    if {beyond}:", f"        refuse(len({beyond}))"] if beyond else []
@@ -140,7 +150,10 @@ def compile_accessor(reference: Callable[..., Any], variants: dict[str, str], na
             body += ["    try:", *_tree(tested, [(on, v) for v, on in flags.items()], " " * 8),
                      "    except NameError:  # no answer: the reference accessor explains",
                      "        pass"]
-        body.append(f"    return reference({', '.join(f'{n}={n}' for n, _ in positional + keyword_only)})")
+        # The reference takes every release's parameters: those the twin lacks get their defaults.
+        passed = [f"{n}={n}" for n, _ in positional + keyword_only]
+        passed += [f"{n}={codegen.default_text(n, d)}" for n, d in absent]  # other releases' parameters
+        body.append(f"    return reference({', '.join(passed)})")
         _SHAPES[shape] = codegen.define("twin", shape[0], "\n".join(body) + "\n", {}, module=__name__)
     return _twin(_SHAPES[shape], reference, variants, name, len(positional))
 

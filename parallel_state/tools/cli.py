@@ -38,20 +38,13 @@ from parallel_state.tools.plan_report import (  # noqa: F401  (re-exported: the 
 )
 from parallel_state.topology.cp_plan import ContextParallelPlan, plan_context_parallel
 from parallel_state.topology.dispatch_cost import CostRates
+from parallel_state.topology.kinds import BY_NAME
 from parallel_state.topology.plan import DEFAULT_ORDER, TopologyPlan
 
 PROG = "python -m parallel_state"
 
-#: The group kinds ``plan`` reports, with what each is in Megatron's API.
-PLAN_KINDS: dict[str, str] = {
-    "tp": "tensor parallel",
-    "cp": "context parallel",
-    "pp": "pipeline parallel",
-    "dp": "data parallel",
-    "dp-cp": "data parallel with context parallel",
-    "tp-pp": "model parallel (tensor + pipeline)",
-    "tp-cp": "tensor + context parallel",
-}
+#: The group kinds ``plan`` reports (each named by its kind row's title).
+PLAN_KINDS: tuple[str, ...] = ("tp", "cp", "pp", "dp", "dp-cp", "tp-pp", "tp-cp")
 SIZE_KEYS: tuple[str, ...] = ("tp", "cp", "pp", "dp")
 #: The element types --dtype takes (the names ContextParallelPlan's byte counts know).
 _DTYPES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
@@ -191,9 +184,9 @@ def format_plan(plan: TopologyPlan) -> str:
     lines += _table(SIZE_KEYS, [[plan.size(k) for k in SIZE_KEYS]])
     lines += ["", "Groups (global ranks of every group, in Megatron's order)"]
     name_w = max(len(k) for k in PLAN_KINDS)
-    for kind, meaning in PLAN_KINDS.items():
+    for kind in PLAN_KINDS:
         n, size = plan.num_groups(kind), plan.group_size(kind)
-        lines.append(f"  {kind.ljust(name_w)}  {meaning}: {n} group{'s' * (n != 1)} of {size}")
+        lines.append(f"  {kind.ljust(name_w)}  {BY_NAME[kind].title}: {n} group{'s' * (n != 1)} of {size}")
         lines += _wrap(["[" + ", ".join(map(str, g)) + "]" for g in plan.groups(kind)], " " * (name_w + 4))
     lines += ["", "Ranks (coordinates; pp is the pipeline stage)"]
     lines += _table(("rank",) + SIZE_KEYS, [[r] + [plan.coords(r)[k] for k in SIZE_KEYS]

@@ -1,8 +1,9 @@
 """Which megatron-core release this process mirrors where releases differ, and that release's rows.
 
-parallel_state accepts the keywords of every megatron-core release from 0.16 to 0.19. Where the
-releases disagree (the rows of ``release_table``: positional orders, globals, a format, a layout
-rule), it follows the release in use: the one named by the
+Where megatron-core's releases disagree (the rows of ``release_table``: parameters and their
+positional order, globals, a format, a layout rule), parallel_state follows the release in use:
+each accessor takes exactly that release's parameters (``initialize_model_parallel`` also every
+other release's keywords, keyword-only). The release in use is the one named by the
 ``PARALLEL_STATE_MEGATRON_RELEASE`` environment variable (``"0.19"``), else the megatron-core that
 ``import megatron.core`` would load, else 0.16. The installed release is read from its
 ``megatron/core/package_info.py`` on ``sys.path`` (or from the module, when it is already imported),
