@@ -18,17 +18,18 @@ How K/V reach the ranks that need them (``AttentionCall.transport``):
   travel again and each block's dK/dV accumulator travels behind it, round the whole ring (every
   rank takes part in every step's exchange), back to the block's owner.
 - ``"p2p"``: straight from the owner to each rank that needs a block, only the needed tokens (at
-  step t to rank + t, from rank - t). On gloo the owner starts all its sends at step 0, so that no
-  receiver waits for the owner to reach a step (on shared CPU cores each such wait is a wake-up of
-  another process); NCCL orders a batch of sends and receives on one stream, where sends started
-  early would wait for receivers that wait for this rank, so there each step sends its own.
+  step t to rank + t, from rank - t). On gloo every rank starts all its sends and receives at step 0,
+  so that no rank waits for another to reach a step (on shared CPU cores each such wait is a wake-up
+  of another process; the rank then holds every block it needs at once, as with "allgather"); NCCL
+  orders a batch of sends and receives on one stream, where transfers started early would wait for
+  ranks that wait for this one, so there each step starts its own.
   Backward: a received block's dK/dV goes straight back to its owner (one message per block).
 - ``"allgather"``: one all-gather of every rank's K/V (shards padded to the longest), overlapped
   with the rank's own block; backward gathers again and returns every block's dK/dV to its owner
   in one all-to-all (a reduce-scatter). Fewest messages: best for short sequences and many clips.
 
-Ring and p2p start step t + 1's transfer before step t's compute, so the two overlap; no rank
-then holds more than two other ranks' K/V at once. ``cp.count_attention`` sees every call.
+Ring and p2p (p2p on gloo: all at step 0, above) start step t + 1's transfer before step t's compute,
+so the two overlap; no rank then holds more than two other ranks' K/V at once. ``cp.count_attention`` sees every call.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ class _Exchange:
         self.rank, self.n = self.sched.rank, self.sched.n
         self.works: list[Any] = []
         self.send_works: list[Any] = []  # p2p on gloo: every step's send of this rank's K/V, started at step 0
+        self.early: dict[int, tuple[list[Any], torch.Tensor | None]] = {}  # and every step's receive, by step
         self.eager = self.group is not None and backend_for(self.group, k.device.type) == "gloo"
         self.recv: torch.Tensor | None = None
         self.held: torch.Tensor | None = None  # the ring's block held now (whole), or p2p's received one
@@ -187,7 +189,7 @@ class _Exchange:
             return
         if transport == "p2p":
             if t == 0 and self.eager:
-                self._post_sends()
+                self._post_all()
             self._post_p2p(t + 1)
             return
         # The ring: pass the block held at step t on, receive the one of step t + 1.
@@ -207,12 +209,12 @@ class _Exchange:
                 self.tell("kv_received", prv, self.recv)
         self.works = _p2p(ops)
 
-    def _post_sends(self) -> None:
-        """Start every step's send of this rank's K/V at once (p2p on gloo, whose sends are independent works):
-        they are all ready now, so no receiver waits for this rank to reach a step; receivers still take
-        one block ahead."""
-        sched, ops, whole = self.sched, [], None
-        for send in sched.sends[1:]:
+    def _post_all(self) -> None:
+        """Start every step's K/V transfer at once (p2p on gloo, whose sends and receives are independent works):
+        this rank's sends are all ready now, and a receive posted before its data arrives is read straight
+        into its buffer, so no rank waits for another to reach a step."""
+        ops, whole = [], None
+        for send in self.sched.sends[1:]:
             if send is None:
                 continue
             if send.index is None:  # the whole block: one buffer serves every rank that needs it all
@@ -221,23 +223,38 @@ class _Exchange:
             ops.append(dist.P2POp(dist.isend, packed, self.ranks[send.dest], self.group, _TAG_KV))
             self.tell("kv_sent", send.dest, packed)
         self.send_works = _p2p(ops)
+        for t in range(1, self.n):
+            recv = self._recv_op(t)
+            self.early[t] = ([], None) if recv is None else (_p2p([recv[0]]), recv[1])
+
+    def _recv_op(self, t: int) -> tuple[Any, torch.Tensor] | None:
+        """Step t's K/V receive (from rank - t) and its buffer; None when this rank needs nothing then."""
+        block = self.sched.blocks[t]
+        if block is None:
+            return None
+        buf = self.k.new_empty(block.size * (self.per_k + self.per_v))
+        self.tell("kv_received", block.source, buf)
+        return dist.P2POp(dist.irecv, buf, self.ranks[block.source], self.group, _TAG_KV), buf
 
     def _post_p2p(self, t: int) -> None:
-        """Start step t's K/V transfer: receive from rank - t and (unless started at step 0) send to rank + t."""
+        """Start step t's K/V transfer (send to rank + t, receive from rank - t)."""
         sched = self.sched
         self.works, self.recv = [], None
         if t == 0 or t >= sched.n:
             return
+        if self.eager:  # started at step 0
+            self.works, self.recv = self.early.pop(t)
+            return
         ops = []
-        send, block = sched.sends[t], sched.blocks[t]
-        if send is not None and not self.eager:
+        send = sched.sends[t]
+        if send is not None:
             packed = self.pack(send.index)
             ops.append(dist.P2POp(dist.isend, packed, self.ranks[send.dest], self.group, _TAG_KV))
             self.tell("kv_sent", send.dest, packed)
-        if block is not None:
-            self.recv = self.k.new_empty(block.size * (self.per_k + self.per_v))
-            ops.append(dist.P2POp(dist.irecv, self.recv, self.ranks[block.source], self.group, _TAG_KV))
-            self.tell("kv_received", block.source, self.recv)
+        recv = self._recv_op(t)
+        if recv is not None:
+            ops.append(recv[0])
+            self.recv = recv[1]
         self.works = _p2p(ops)
 
     def _padded(self) -> int:
