@@ -73,6 +73,13 @@ class AttentionCall:
     confirm: Callable[[], None] | None = None
 
 
+def starts_all_at_once(backend: str | None) -> bool:
+    """Whether the p2p transport starts every step's transfer at step 0 on a group of ``backend`` (for the tensors'
+    device): on gloo, whose sends and receives are independent works; not on NCCL, which runs a batch of them
+    in order on one stream, where a transfer started early would wait for ranks that wait for this one."""
+    return backend == "gloo"
+
+
 def _p2p(ops: list[Any]) -> list[Any]:
     """Start a batch of point-to-point ops (none is fine); their works."""
     return dist.batch_isend_irecv(ops) if ops else []
@@ -138,7 +145,7 @@ class _Exchange:
         self.works: list[Any] = []
         self.send_works: list[Any] = []  # p2p on gloo: every step's send of this rank's K/V, started at step 0
         self.early: dict[int, tuple[list[Any], torch.Tensor | None]] = {}  # and every step's receive, by step
-        self.eager = self.group is not None and backend_for(self.group, k.device.type) == "gloo"
+        self.eager = self.group is not None and starts_all_at_once(backend_for(self.group, k.device.type))
         self.recv: torch.Tensor | None = None
         self.held: torch.Tensor | None = None  # the ring's block held now (whole), or p2p's received one
         self.gathered: torch.Tensor | None = None

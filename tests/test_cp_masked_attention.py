@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 import cp
+import cp.comm
 import cp.engine
 import cp.kernels
 import cp.mask_schedule
@@ -271,6 +272,8 @@ def case_traffic_is_point_to_point_to_the_needy():
         out.sum().backward()
     assert set(calls) <= {"all_to_all_single", "batch_isend_irecv", "isend", "irecv"}, calls
     assert calls.count("all_to_all_single") == 1, calls
+    # gloo: every transfer of the pass starts at step 0; NCCL (one stream per batch) would deadlock on that.
+    assert cp.engine.starts_all_at_once(cp.comm.backend_for(g, "cpu")) and not cp.engine.starts_all_at_once("nccl")
     pairs = plan.pairs()
     sent: dict[int, int] = {}
     for peer, nbytes in sends:
