@@ -23,7 +23,8 @@ How K/V reach the ranks that need them (``AttentionCall.transport``):
   of another process; the rank then holds every block it needs at once, as with "allgather"); NCCL
   orders a batch of sends and receives on one stream, where transfers started early would wait for
   ranks that wait for this one, so there each step starts its own.
-  Backward: a received block's dK/dV goes straight back to its owner (one message per block).
+  Backward: a received block's dK/dV goes straight back to its owner (one message per block; on gloo
+  the owner starts receiving them all at step 0 too).
 - ``"allgather"``: one all-gather of every rank's K/V (shards padded to the longest), overlapped
   with the rank's own block; backward gathers again and returns every block's dK/dV to its owner
   in one all-to-all (a reduce-scatter). Fewest messages: best for short sequences and many clips.
@@ -43,7 +44,7 @@ import torch.distributed as dist
 
 from cp import counting, kernels
 from cp.comm import backend_for, global_ranks
-from cp.mask_schedule import Block, Schedule, Tile
+from cp.mask_schedule import Block, Schedule, Send, Tile
 
 TRANSPORTS = ("ring", "p2p", "allgather")
 #: Message tags of K/V and of their gradients, so that gloo never pairs one kind's send with the other's receive.
@@ -154,6 +155,7 @@ class _Exchange:
             self.dv = v.new_zeros(v.shape, dtype=grad_dtype)
             self.grad_works: list[Any] = []
             self.pending: Any = None
+            self.early_grads: list[tuple[torch.Tensor, Send]] = []  # eager p2p: every sent block's dK/dV
             self.incoming: torch.Tensor | None = None  # the ring's dK/dV accumulator of the block held now
             self.sending: torch.Tensor | None = None
             self.grad_rows: torch.Tensor | None = None  # allgather: every source's dK/dV from this rank
@@ -317,6 +319,8 @@ class _Exchange:
         if t == 0:
             if block is not None:
                 _add_tokens(self.dk, self.dv, block.index, dkb, dvb)  # type: ignore[arg-type]
+            if transport == "p2p" and self.eager:
+                self._post_grad_receives()
             if transport != "ring" or self.n == 1:
                 return
         if transport == "p2p":
@@ -326,12 +330,26 @@ class _Exchange:
         elif block is not None:
             self._grad_row(block, dkb, dvb)
 
+    def _post_grad_receives(self) -> None:
+        """Start receiving, at step 0 (p2p on gloo, as the K/V), the dK/dV of every block this rank sends."""
+        ops = []
+        for send in self.sched.sends[1:]:
+            if send is not None:
+                incoming = self.dk.new_empty(send.size * (self.per_k + self.per_v))
+                ops.append(dist.P2POp(dist.irecv, incoming, self.ranks[send.dest], self.group, _TAG_DKV))
+                self.tell("grad_received", send.dest, incoming)
+                self.early_grads.append((incoming, send))
+        self.grad_works = _p2p(ops)
+
     def _grad_p2p(self, t: int, block: Block | None, dkb: Any, dvb: Any) -> None:
         ops = []
         if block is not None:  # straight back to the owner
             packed = torch.cat([dkb.reshape(-1), dvb.reshape(-1)])
             ops.append(dist.P2POp(dist.isend, packed, self.ranks[block.source], self.group, _TAG_DKV))
             self.tell("grad_sent", block.source, packed)
+        if self.eager:  # the receives started at step 0; the sends are waited for with them
+            self.grad_works += _p2p(ops)
+            return
         send = self.sched.sends[t]
         incoming = None
         if send is not None:  # the dK/dV of the tokens this rank sent rank + t at this step
@@ -343,9 +361,14 @@ class _Exchange:
         self.pending = None if send is None else (incoming, send)
 
     def _settle(self) -> None:
-        """Wait for the previous step's gradient messages (received while this step computed) and add them."""
+        """Wait for the previous step's gradient messages (received while this step computed) and add them
+        (eager: every step's, at the end)."""
         _wait(self.grad_works)
         self.grad_works = []
+        for packed, send in self.early_grads:
+            gk, gv = self.unpack(packed, send.size)
+            _add_tokens(self.dk, self.dv, send.index, gk, gv)
+        self.early_grads = []
         if self.pending is not None:
             packed, send = self.pending
             gk, gv = self.unpack(packed, send.size)
