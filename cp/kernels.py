@@ -67,7 +67,7 @@ class KernelChoice:
     ``is_causal``: the kernel's own causal flag (square tiles). ``bias``: an additive float mask [R, C]
     built from the tile's intervals (-inf where masked). ``reason``: why ``math`` (else empty).
     ``diagonal_blocks``: a causal tile computed as that many diagonal blocks and the full tiles below
-    them (``cp.diagonal``, CPU only; 1: one call with the causal flag).
+    them (``cp.diagonal``; read by ``cpu_flash`` only; 1: one call with the causal flag).
     """
 
     name: str
@@ -260,7 +260,7 @@ def forward(choice: KernelChoice, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     else:
         q4, k4, v4 = _q4(choice, q), _kv4(choice, k, g), _kv4(choice, v, g)
         bias = None if not choice.bias else _bias(masked, q4.dtype, 16)  # type: ignore[arg-type]
-        if choice.diagonal_blocks > 1:
+        if choice.name == "cpu_flash" and choice.diagonal_blocks > 1:
             out, lse = diagonal.forward(_CPU_FLASH, q4, k4, v4, scale, choice.diagonal_blocks)
         elif choice.name == "cpu_flash":
             out, lse = _CPU_FLASH(q4, k4, v4, 0.0, choice.is_causal, attn_mask=bias, scale=scale)
@@ -291,7 +291,7 @@ def backward(choice: KernelChoice, do: torch.Tensor, q: torch.Tensor, k: torch.T
     q4, k4, v4, do4, out4 = _q4(choice, q), _kv4(choice, k, g), _kv4(choice, v, g), _q4(choice, do), _q4(choice, out)
     lse4 = lse.reshape(q4.shape[:-1]).float().contiguous()
     bias = None if not choice.bias else _bias(masked, q4.dtype, 16)  # type: ignore[arg-type]
-    if choice.diagonal_blocks > 1:
+    if choice.name == "cpu_flash" and choice.diagonal_blocks > 1:
         dq, dk, dv = diagonal.backward(_CPU_FLASH_BACKWARD, do4, q4, k4, v4, out4, lse.reshape(q4.shape[:-1]), scale,
                                        choice.diagonal_blocks)
     elif choice.name == "cpu_flash":
