@@ -5,6 +5,8 @@ waiting in the next collective until the group's timeout, or worse, compute garb
 of cp (shards, Ulysses' sizes, masked plans, dispatch, the debug mode) each describe this rank's
 inputs as a short row of ints, gather every rank's row with ``gather``, and judge the whole table:
 every rank sees the same table, so every rank raises the same ValueError (``check``), or none does.
+``start`` begins the gather without waiting, so that a caller can compute meanwhile and judge the
+table before it sends anything.
 """
 
 from __future__ import annotations
@@ -12,36 +14,67 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
-from cp.comm import all_gather_into, meta_device
+from cp.comm import meta_device
+
+
+class Pending:
+    """A gather started by ``start``: ``table()`` waits for it and returns every rank's row."""
+
+    def __init__(self, work: Any, width: int, finish: Callable[[], torch.Tensor]):
+        self._work, self._width, self._finish = work, width, finish
+
+    def table(self) -> list[list[int]]:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._finish().view(-1, self._width).tolist()
+
+
+def _everyone(mine: torch.Tensor, group: Any, async_op: bool) -> tuple[torch.Tensor, Any]:
+    """Every rank's ``mine`` in group-rank order, by one all-to-all (each rank sends its row to every rank at
+    once: one round of messages, where gloo's all-gather passes rows round a ring in n - 1)."""
+    rows = torch.empty(group.size() * mine.numel(), dtype=mine.dtype, device=mine.device)
+    work = dist.all_to_all_single(rows, mine.repeat(group.size()), group=group, async_op=async_op)
+    return rows, work
+
+
+def start(row: Sequence[int], group: Any, ring_group: Any = None) -> Pending:
+    """Start gathering every rank's ``row`` (ints, as many on every rank) over ``group``, without waiting.
+
+    With ``ring_group``: ``group`` is a Ulysses group and the rows are those of the cp group the two
+    span, in cp-rank order (cp rank = ring rank * u + ulysses rank): a second gather, over the ring,
+    when the first one is done.
+    """
+    mine = torch.tensor(list(row), dtype=torch.int64, device=meta_device(group))
+    rows, work = _everyone(mine, group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        # This Ulysses group's rows, gathered over the ring: the whole cp group's.
+        return rows if ring_group is None else _everyone(rows, ring_group, async_op=False)[0]
+
+    return Pending(work, mine.numel(), finish)
 
 
 def gather(row: Sequence[int], group: Any, ring_group: Any = None) -> list[list[int]]:
-    """Every rank's ``row`` (ints, as many on every rank), in group-rank order: one all-gather over ``group``.
-
-    With ``ring_group``: ``group`` is a Ulysses group and the rows are those of the cp group the two
-    span, in cp-rank order (cp rank = ring rank * u + ulysses rank): one all-gather in each group.
-    """
-    device = meta_device(group)
-    mine = torch.tensor(list(row), dtype=torch.int64, device=device)
-    rows = torch.empty(group.size() * mine.numel(), dtype=torch.int64, device=device)
-    all_gather_into(rows, mine, group)
-    if ring_group is not None:  # this Ulysses group's rows, gathered over the ring: the whole cp group's
-        every = torch.empty(ring_group.size() * rows.numel(), dtype=torch.int64, device=device)
-        all_gather_into(every, rows, ring_group)
-        rows = every
-    return rows.view(-1, mine.numel()).tolist()
+    """Every rank's ``row`` (ints, as many on every rank), in group-rank order (``start``, waited for)."""
+    return start(row, group, ring_group).table()
 
 
-def check(what: str, row: Sequence[int], group: Any, judge: Callable[[list[list[int]]], str | None],
-          ring_group: Any = None) -> list[list[int]]:
-    """``gather`` the rows, then raise ``ValueError(f"{what}: {problem}")`` on every rank alike when
-    ``judge(table)`` names a problem; the table otherwise."""
-    table = gather(row, group, ring_group)
+def judged(what: str, table: list[list[int]], judge: Callable[[list[list[int]]], str | None]) -> list[list[int]]:
+    """``table``, unless ``judge(table)`` names a problem: then ``ValueError(f"{what}: {problem}")``."""
     problem = judge(table)
     if problem:
         raise ValueError(f"{what}: {problem}")
     return table
 
 
-__all__ = ["check", "gather"]
+def check(what: str, row: Sequence[int], group: Any, judge: Callable[[list[list[int]]], str | None],
+          ring_group: Any = None) -> list[list[int]]:
+    """``gather`` the rows, then raise ``ValueError(f"{what}: {problem}")`` on every rank alike when
+    ``judge(table)`` names a problem; the table otherwise."""
+    return judged(what, gather(row, group, ring_group), judge)
+
+
+__all__ = ["Pending", "check", "gather", "judged", "start"]

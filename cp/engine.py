@@ -18,28 +18,33 @@ How K/V reach the ranks that need them (``AttentionCall.transport``):
   travel again and each block's dK/dV accumulator travels behind it, round the whole ring (every
   rank takes part in every step's exchange), back to the block's owner.
 - ``"p2p"``: straight from the owner to each rank that needs a block, only the needed tokens (at
-  step t to rank + t, from rank - t). Backward: a received block's dK/dV goes straight back to its
-  owner (one message per block).
+  step t to rank + t, from rank - t). On gloo every rank starts all its sends and receives at step 0,
+  so that no rank waits for another to reach a step (on shared CPU cores each such wait is a wake-up
+  of another process; the rank then holds every block it needs at once, as with "allgather"); NCCL
+  orders a batch of sends and receives on one stream, where transfers started early would wait for
+  ranks that wait for this one, so there each step starts its own.
+  Backward: a received block's dK/dV goes straight back to its owner (one message per block; on gloo
+  the owner starts receiving them all at step 0 too).
 - ``"allgather"``: one all-gather of every rank's K/V (shards padded to the longest), overlapped
   with the rank's own block; backward gathers again and returns every block's dK/dV to its owner
   in one all-to-all (a reduce-scatter). Fewest messages: best for short sequences and many clips.
 
-Ring and p2p start step t + 1's transfer before step t's compute, so the two overlap; no rank
-then holds more than two other ranks' K/V at once. ``cp.count_attention`` sees every call.
+Ring and p2p (p2p on gloo: all at step 0, above) start step t + 1's transfer before step t's compute,
+so the two overlap; no rank then holds more than two other ranks' K/V at once. ``cp.count_attention`` sees every call.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from cp import counting, kernels
-from cp.comm import global_ranks
-from cp.mask_schedule import Block, Schedule, Tile
+from cp.comm import backend_for, global_ranks
+from cp.mask_schedule import Block, Schedule, Send, Tile
 
 TRANSPORTS = ("ring", "p2p", "allgather")
 #: Message tags of K/V and of their gradients, so that gloo never pairs one kind's send with the other's receive.
@@ -53,7 +58,10 @@ class AttentionCall:
     q, k, v are laid out with the sequence at dim ``seq_dim`` and the heads at ``head_dim`` (the
     last remaining dim is the feature dim); ``groups`` query heads share one K/V head (GQA);
     ``scale`` multiplies the scores. ``group``: the ranks attending together (None: one process);
-    ``schedule``: this rank's part; ``transport``: one of TRANSPORTS.
+    ``schedule``: this rank's part; ``transport``: one of TRANSPORTS. ``confirm``: the cross-rank check
+    of the call's inputs, started (``cp.masked.start_agree``): called once the rank's own block is
+    computed and before any K/V moves, so its round trip overlaps that compute and a mismatch raises
+    on every rank before anything is sent.
     """
 
     seq_dim: int
@@ -63,6 +71,14 @@ class AttentionCall:
     group: Any
     schedule: Schedule
     transport: str = "p2p"
+    confirm: Callable[[], None] | None = None
+
+
+def starts_all_at_once(backend: str | None) -> bool:
+    """Whether the p2p transport starts every step's transfer at step 0 on a group of ``backend`` (for the tensors'
+    device): on gloo, whose sends and receives are independent works; not on NCCL, which runs a batch of them
+    in order on one stream, where a transfer started early would wait for ranks that wait for this one."""
+    return backend == "gloo"
 
 
 def _p2p(ops: list[Any]) -> list[Any]:
@@ -128,6 +144,9 @@ class _Exchange:
         self.per_k, self.per_v = k[..., :1, :].numel(), v[..., :1, :].numel()  # elements per token
         self.rank, self.n = self.sched.rank, self.sched.n
         self.works: list[Any] = []
+        self.send_works: list[Any] = []  # p2p on gloo: every step's send of this rank's K/V, started at step 0
+        self.early: dict[int, tuple[list[Any], torch.Tensor | None]] = {}  # and every step's receive, by step
+        self.eager = self.group is not None and starts_all_at_once(backend_for(self.group, k.device.type))
         self.recv: torch.Tensor | None = None
         self.held: torch.Tensor | None = None  # the ring's block held now (whole), or p2p's received one
         self.gathered: torch.Tensor | None = None
@@ -136,6 +155,7 @@ class _Exchange:
             self.dv = v.new_zeros(v.shape, dtype=grad_dtype)
             self.grad_works: list[Any] = []
             self.pending: Any = None
+            self.early_grads: list[tuple[torch.Tensor, Send]] = []  # eager p2p: every sent block's dK/dV
             self.incoming: torch.Tensor | None = None  # the ring's dK/dV accumulator of the block held now
             self.sending: torch.Tensor | None = None
             self.grad_rows: torch.Tensor | None = None  # allgather: every source's dK/dV from this rank
@@ -177,6 +197,8 @@ class _Exchange:
                 self._start_gather()
             return
         if transport == "p2p":
+            if t == 0 and self.eager:
+                self._post_all()
             self._post_p2p(t + 1)
             return
         # The ring: pass the block held at step t on, receive the one of step t + 1.
@@ -196,22 +218,52 @@ class _Exchange:
                 self.tell("kv_received", prv, self.recv)
         self.works = _p2p(ops)
 
+    def _post_all(self) -> None:
+        """Start every step's K/V transfer at once (p2p on gloo, whose sends and receives are independent works):
+        this rank's sends are all ready now, and a receive posted before its data arrives is read straight
+        into its buffer, so no rank waits for another to reach a step."""
+        ops, whole = [], None
+        for send in self.sched.sends[1:]:
+            if send is None:
+                continue
+            if send.index is None:  # the whole block: one buffer serves every rank that needs it all
+                whole = self.pack(None) if whole is None else whole
+            packed = whole if send.index is None else self.pack(send.index)
+            ops.append(dist.P2POp(dist.isend, packed, self.ranks[send.dest], self.group, _TAG_KV))
+            self.tell("kv_sent", send.dest, packed)
+        self.send_works = _p2p(ops)
+        for t in range(1, self.n):
+            recv = self._recv_op(t)
+            self.early[t] = ([], None) if recv is None else (_p2p([recv[0]]), recv[1])
+
+    def _recv_op(self, t: int) -> tuple[Any, torch.Tensor] | None:
+        """Step t's K/V receive (from rank - t) and its buffer; None when this rank needs nothing then."""
+        block = self.sched.blocks[t]
+        if block is None:
+            return None
+        buf = self.k.new_empty(block.size * (self.per_k + self.per_v))
+        self.tell("kv_received", block.source, buf)
+        return dist.P2POp(dist.irecv, buf, self.ranks[block.source], self.group, _TAG_KV), buf
+
     def _post_p2p(self, t: int) -> None:
         """Start step t's K/V transfer (send to rank + t, receive from rank - t)."""
         sched = self.sched
         self.works, self.recv = [], None
         if t == 0 or t >= sched.n:
             return
+        if self.eager:  # started at step 0
+            self.works, self.recv = self.early.pop(t)
+            return
         ops = []
-        send, block = sched.sends[t], sched.blocks[t]
+        send = sched.sends[t]
         if send is not None:
             packed = self.pack(send.index)
             ops.append(dist.P2POp(dist.isend, packed, self.ranks[send.dest], self.group, _TAG_KV))
             self.tell("kv_sent", send.dest, packed)
-        if block is not None:
-            self.recv = self.k.new_empty(block.size * (self.per_k + self.per_v))
-            ops.append(dist.P2POp(dist.irecv, self.recv, self.ranks[block.source], self.group, _TAG_KV))
-            self.tell("kv_received", block.source, self.recv)
+        recv = self._recv_op(t)
+        if recv is not None:
+            ops.append(recv[0])
+            self.recv = recv[1]
         self.works = _p2p(ops)
 
     def _padded(self) -> int:
@@ -253,6 +305,9 @@ class _Exchange:
     def finish(self, t: int) -> None:
         _wait(self.works)
         self.works = []
+        if t == self.n - 1:  # the pass's last step: every send has been received
+            _wait(self.send_works)
+            self.send_works = []
         if self.call.transport != "allgather":
             self.held = self.recv  # step t + 1's block (p2p: None when there is none)
 
@@ -264,6 +319,8 @@ class _Exchange:
         if t == 0:
             if block is not None:
                 _add_tokens(self.dk, self.dv, block.index, dkb, dvb)  # type: ignore[arg-type]
+            if transport == "p2p" and self.eager:
+                self._post_grad_receives()
             if transport != "ring" or self.n == 1:
                 return
         if transport == "p2p":
@@ -273,12 +330,26 @@ class _Exchange:
         elif block is not None:
             self._grad_row(block, dkb, dvb)
 
+    def _post_grad_receives(self) -> None:
+        """Start receiving, at step 0 (p2p on gloo, as the K/V), the dK/dV of every block this rank sends."""
+        ops = []
+        for send in self.sched.sends[1:]:
+            if send is not None:
+                incoming = self.dk.new_empty(send.size * (self.per_k + self.per_v))
+                ops.append(dist.P2POp(dist.irecv, incoming, self.ranks[send.dest], self.group, _TAG_DKV))
+                self.tell("grad_received", send.dest, incoming)
+                self.early_grads.append((incoming, send))
+        self.grad_works = _p2p(ops)
+
     def _grad_p2p(self, t: int, block: Block | None, dkb: Any, dvb: Any) -> None:
         ops = []
         if block is not None:  # straight back to the owner
             packed = torch.cat([dkb.reshape(-1), dvb.reshape(-1)])
             ops.append(dist.P2POp(dist.isend, packed, self.ranks[block.source], self.group, _TAG_DKV))
             self.tell("grad_sent", block.source, packed)
+        if self.eager:  # the receives started at step 0; the sends are waited for with them
+            self.grad_works += _p2p(ops)
+            return
         send = self.sched.sends[t]
         incoming = None
         if send is not None:  # the dK/dV of the tokens this rank sent rank + t at this step
@@ -290,9 +361,14 @@ class _Exchange:
         self.pending = None if send is None else (incoming, send)
 
     def _settle(self) -> None:
-        """Wait for the previous step's gradient messages (received while this step computed) and add them."""
+        """Wait for the previous step's gradient messages (received while this step computed) and add them
+        (eager: every step's, at the end)."""
         _wait(self.grad_works)
         self.grad_works = []
+        for packed, send in self.early_grads:
+            gk, gv = self.unpack(packed, send.size)
+            _add_tokens(self.dk, self.dv, send.index, gk, gv)
+        self.early_grads = []
         if self.pending is not None:
             packed, send = self.pending
             gk, gv = self.unpack(packed, send.size)
@@ -386,7 +462,8 @@ class _Engine(torch.autograd.Function):
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=cd)
         fresh = True  # nothing merged yet: a first tile of every row is the result so far
         for t in range(sched.n):
-            ex.start(t)  # overlaps this step's compute
+            if t or call.confirm is None:
+                ex.start(t)  # overlaps this step's compute
             block = sched.blocks[t]
             if block is not None:
                 kb, vb = ex.kv(t, block)
@@ -404,6 +481,9 @@ class _Engine(torch.autograd.Function):
                     for c in counts:
                         c.pairs += per_row * tile.allowed
                         c.scores += per_row * tile.num_rows * (tile.c1 - tile.c0)
+            if t == 0 and call.confirm is not None:
+                call.confirm()  # every rank's inputs agree: now the K/V may move
+                ex.start(0)
             ex.finish(t)
         for c in counts:
             c.calls += 1

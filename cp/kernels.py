@@ -7,7 +7,10 @@ share of the whole one). Three kinds of tile (``cp.mask_schedule.Tile.kind``):
 
 - ``"full"``: every pair allowed; no mask is built.
 - ``"causal"``: square (``R == C``), row i sees keys 0..i; the kernel's own causal flag (top-left
-  and bottom-right alignment coincide on a square, so the flash op's top-left flag is exact).
+  and bottom-right alignment coincide on a square, so the flash op's top-left flag is exact). On a
+  CPU a tile of 512 rows or more is cut into diagonal blocks and full tiles below them
+  (``cp.diagonal``; ``KernelChoice.diagonal_blocks``): the CPU op skips masked work only in whole
+  key blocks of 512, the CUDA ops skip it at their own tile size, so they take the flag whole.
 - ``"masked"``: each row sees one interval of the keys; a [R, C] mask from the intervals.
 
 ``choose_kernel`` is a pure function of the device type, dtype, shapes and tile kind, so the choice
@@ -40,6 +43,8 @@ from typing import Any
 
 import torch
 
+from cp import diagonal
+
 FULL, CAUSAL, MASKED = "full", "causal", "masked"
 TILE_KINDS = (FULL, CAUSAL, MASKED)
 #: The CUDA kernels in the order they are tried; each can be switched off as SDPA's own are.
@@ -61,6 +66,8 @@ class KernelChoice:
     gradients summed back); ``"rows"`` (math) q [B, Hkv, G * R, D], a K/V head's query heads as rows.
     ``is_causal``: the kernel's own causal flag (square tiles). ``bias``: an additive float mask [R, C]
     built from the tile's intervals (-inf where masked). ``reason``: why ``math`` (else empty).
+    ``diagonal_blocks``: a causal tile computed as that many diagonal blocks and the full tiles below
+    them (``cp.diagonal``; read by ``cpu_flash`` only; 1: one call with the causal flag).
     """
 
     name: str
@@ -69,6 +76,7 @@ class KernelChoice:
     is_causal: bool = False
     bias: bool = False
     reason: str = ""
+    diagonal_blocks: int = 1
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -135,7 +143,8 @@ def choose_kernel(device_type: str, dtype: torch.dtype, q_shape: tuple[int, ...]
             return KernelChoice("math", cd, "rows", reason="this torch has no fused CPU attention op")
         if d != dv:
             return KernelChoice("math", cd, "rows", reason=f"the CPU kernel wants one feature size (got {d} and {dv})")
-        return KernelChoice("cpu_flash", cd, "heads", is_causal=causal, bias=bias)
+        return KernelChoice("cpu_flash", cd, "heads", is_causal=causal, bias=bias,
+                            diagonal_blocks=diagonal.blocks_for(r) if causal else 1)
     if device_type == "cuda":
         why = []
         for name in CUDA_KERNELS:
@@ -251,7 +260,9 @@ def forward(choice: KernelChoice, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     else:
         q4, k4, v4 = _q4(choice, q), _kv4(choice, k, g), _kv4(choice, v, g)
         bias = None if not choice.bias else _bias(masked, q4.dtype, 16)  # type: ignore[arg-type]
-        if choice.name == "cpu_flash":
+        if choice.name == "cpu_flash" and choice.diagonal_blocks > 1:
+            out, lse = diagonal.forward(_CPU_FLASH, q4, k4, v4, scale, choice.diagonal_blocks)
+        elif choice.name == "cpu_flash":
             out, lse = _CPU_FLASH(q4, k4, v4, 0.0, choice.is_causal, attn_mask=bias, scale=scale)
         elif choice.name == "cuda_flash":
             out, lse, *_ = _op(choice, False, q.device)(q4, k4, v4, 0.0, choice.is_causal, False, scale=scale)
@@ -280,7 +291,10 @@ def backward(choice: KernelChoice, do: torch.Tensor, q: torch.Tensor, k: torch.T
     q4, k4, v4, do4, out4 = _q4(choice, q), _kv4(choice, k, g), _kv4(choice, v, g), _q4(choice, do), _q4(choice, out)
     lse4 = lse.reshape(q4.shape[:-1]).float().contiguous()
     bias = None if not choice.bias else _bias(masked, q4.dtype, 16)  # type: ignore[arg-type]
-    if choice.name == "cpu_flash":
+    if choice.name == "cpu_flash" and choice.diagonal_blocks > 1:
+        dq, dk, dv = diagonal.backward(_CPU_FLASH_BACKWARD, do4, q4, k4, v4, out4, lse.reshape(q4.shape[:-1]), scale,
+                                       choice.diagonal_blocks)
+    elif choice.name == "cpu_flash":
         dq, dk, dv = _CPU_FLASH_BACKWARD(do4, q4, k4, v4, out4, lse.reshape(q4.shape[:-1]), 0.0, choice.is_causal,
                                          attn_mask=bias, scale=scale)
     elif choice.name == "cuda_flash":

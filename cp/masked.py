@@ -13,12 +13,12 @@ in any order: Ulysses uses it on the whole sequence it holds after its all-to-al
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from cp import engine, mask_schedule
-from cp.agree import check
+from cp.agree import judged, start
 from cp.comm import global_ranks
 from cp.engine import TRANSPORTS, AttentionCall
 from cp.mask_schedule import Schedule
@@ -105,6 +105,13 @@ def agree(what: str, group: Any, plan: Any, named: Sequence[tuple[str, int]], la
     ``even``: no plan and no length were given, so every rank must hold the same number of tokens.
     ``ring_group``: ``group`` is the Ulysses group of usp and the ranks are the cp ranks the two span.
     """
+    start_agree(what, group, plan, named, layout, fix, even, ring_group)()
+
+
+def start_agree(what: str, group: Any, plan: Any, named: Sequence[tuple[str, int]], layout: str, fix: str,
+                even: bool = False, ring_group: Any = None) -> Callable[[], None]:
+    """``agree``, started: the gather runs while the caller computes; calling the result waits for it and raises
+    as ``agree`` does (call it on every rank before anything else crosses the group)."""
     want = plan.sizes
     ranks = None if ring_group is not None else global_ranks(group)
     unit = "cp" if ring_group is not None else "group"
@@ -128,16 +135,22 @@ def agree(what: str, group: Any, plan: Any, named: Sequence[tuple[str, int]], la
         return f"{'; '.join(bad)} (every {unit} rank's: {list(want)}); {fix}" if bad else None
 
     row = [plan.fingerprint(), TRANSPORTS.index(plan.transport), *(size for _, size in named)]
-    check(what, row, group, judge, ring_group)
+    pending = start(row, group, ring_group)
+
+    def confirm() -> None:
+        judged(what, pending.table(), judge)
+
+    return confirm
 
 
 # ----------------------------------------------------------------------------- the call
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sched: Schedule, group: Any, s: int, h: int,
-           scale: float, transport: str = "p2p") -> torch.Tensor:
+           scale: float, transport: str = "p2p", confirm: Callable[[], None] | None = None) -> torch.Tensor:
     """Masked attention for q, k, v in layout (seq dim ``s``, head dim ``h``), K/V heads dividing q's (GQA);
-    this rank's output in q's layout, by cp.engine. Every rank of ``group`` (None: one process) must call it."""
+    this rank's output in q's layout, by cp.engine. Every rank of ``group`` (None: one process) must call it.
+    ``confirm``: a started check (``start_agree``), judged once this rank's own block is computed."""
     groups = q.shape[h] // k.shape[h]
-    call = AttentionCall(s, h, groups, scale, group, sched, transport if group is not None else "p2p")
+    call = AttentionCall(s, h, groups, scale, group, sched, transport if group is not None else "p2p", confirm)
     return engine.attend(call, q, k, v)

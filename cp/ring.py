@@ -176,8 +176,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: 
     With a plan, this rank holds the tokens ``plan.positions[rank]`` (what ``cp.dispatch`` gives it)
     and the mask is the plan's; with a mask alone, the contiguous split above. K/V then go point to
     point from their owner to exactly the ranks whose queries see them (see ``cp.masked``); one
-    small all-gather first checks every rank's token count and plan, so a mistake raises on every
-    rank. ``causal=True`` is the plain path; with a mask, pass ``cp.Mask.causal()`` instead.
+    small gather checks every rank's token count and plan before any K/V moves, so a mistake raises
+    on every rank. ``causal=True`` is the plain path; with a mask, pass ``cp.Mask.causal()`` instead.
     """
     what = "ring_attention"
     if cp_group is not None:
@@ -217,13 +217,16 @@ def _masked_ring(what: str, q: Any, k: Any, v: Any, group: Any, args: Any) -> to
     rank = 0 if group is None else group.rank()
     sched = masked.schedule(plan, "plan", lambda: plan.positions, rank, q.device)
     layout, fix = masked.layout_words(given, plan, n)
-    if n > 1:
-        masked.agree(what, group, plan, [("q", q.shape[s])], layout, fix,
-                     even=given is None and args.length is None)
+    confirm = None
+    if n > 1:  # judged by the engine once this rank's own block is computed, before any K/V moves
+        confirm = masked.start_agree(what, group, plan, [("q", q.shape[s])], layout, fix,
+                                     even=given is None and args.length is None)
+        if q.shape[s] != plan.sizes[rank]:
+            confirm()  # this rank's own block does not fit its tokens: the table names the mistake, on every rank
     elif q.shape[s] != plan.length:
         raise ValueError(f"{what}: q holds {q.shape[s]} tokens (seq_dim {args.seq_dim}) but the {layout} is for "
                          f"{plan.length}; without a group, pass the whole sequence")
-    return masked.attend(q, k, v, sched, group if n > 1 else None, s, h, scale, plan.transport)
+    return masked.attend(q, k, v, sched, group if n > 1 else None, s, h, scale, plan.transport, confirm)
 
 
 __all__ = ["ring_attention", "ring_attention_blocks"]

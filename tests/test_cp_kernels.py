@@ -123,3 +123,30 @@ def test_cpu_flash_equals_the_reference_for_every_tile_kind():
             want.backward(do)
             assert torch.allclose(o2, want, atol=1e-12)
             assert all(torch.allclose(a, b.grad, atol=1e-12) for a, b in zip(g2, (qq, kk, vv), strict=True)), kind
+
+
+def test_cpu_causal_tiles_of_512_rows_or_more_are_cut_into_diagonal_blocks():
+    """The CPU op skips masked work only in whole key blocks of 512, so a large causal tile runs as diagonal blocks
+    and full tiles below them (cp.diagonal), equal to the reference forward and backward (GQA, a batch of 2, rows
+    a view of a longer q as the engine passes them); CUDA takes the causal flag whole."""
+    from cp import diagonal
+
+    assert [diagonal.blocks_for(r) for r in (256, 511, 512, 513, 768, 1024, 600)] == [1, 1, 4, 1, 8, 8, 8]
+    assert choose_kernel("cpu", F32, (1, 8, 512, 16), (1, 8, 512, 16), (1, 8, 512, 16), CAUSAL).diagonal_blocks == 4
+    assert choose_kernel("cpu", F32, (1, 8, 512, 16), (1, 8, 512, 16), (1, 8, 512, 16), FULL).diagonal_blocks == 1
+    for dtype in (BF, F32):
+        c = choose_kernel("cuda", dtype, (1, 8, 512, 64), (1, 8, 512, 64), (1, 8, 512, 64), CAUSAL)
+        assert c.is_causal and c.diagonal_blocks == 1, c
+    gen = torch.Generator().manual_seed(3)
+    r, g = 768, 2
+    q = torch.randn(2, 2, g, r + 7, 8, generator=gen, dtype=F64)[..., 4:r + 4, :]
+    k, v, do = (torch.randn(*shape, generator=gen, dtype=F64) for shape in ((2, 2, r, 8), (2, 2, r, 8), q.shape))
+    fused = choose_kernel("cpu", F64, (2, 2 * g, r, 8), (2, 2, r, 8), (2, 2, r, 8), CAUSAL)
+    ref = kernels.KernelChoice("math", F64, "rows")
+    assert fused.diagonal_blocks == 8
+    masked = kernels.mask_of(None, None, r, r, CAUSAL, torch.device("cpu"))
+    (o1, l1), (o2, l2) = (kernels.forward(c, q, k, v, 0.3, masked) for c in (fused, ref))
+    assert torch.allclose(o1, o2, atol=1e-12) and torch.allclose(l1, l2, atol=1e-12)
+    delta = (do * o2).sum(-1)
+    g1, g2 = (kernels.backward(c, do, q, k, v, o2, l2, delta, 0.3, masked) for c in (fused, ref))
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(g1, g2, strict=True))
