@@ -19,7 +19,8 @@ Masked attention (second table): a cut-down real video, 21 latent frames of 96 t
 a Wan-style 480p clip has 21 frames of 1,560), q, k, v [1, 2016, 8 heads, 16] float32, under a
 chunk-causal mask (chunks of 3 frames) and a packed mask (clips of 9, 5 and 7 frames, full attention
 inside each), on 2 and 4 gloo ranks: ``ring_attention(plan=)`` and ``usp_attention(plan=)`` (Ulysses 2
-x ring n/2) on the default plan (``cp.plan_dispatch(mask, length, n)``: its method, and its transport
+x ring n/2) on the default plan (``cp.plan_dispatch(mask, length, n, ulysses_size=u)``, u = 1 for the ring
+and 2 for usp, as each call would be planned: its method, and its transport
 and predicted time where the planner gives them) and on the contiguous split, forward + backward. A
 step is faster only where every rank has a core of its own: 4 ranks on 2 cores share them, and the
 step takes the whole work's time whatever the plan. Bytes are those
@@ -190,11 +191,15 @@ def _measure_masked(rank: int, world: int, store: str, opts: dict[str, Any]) -> 
     for mask_name, mask in masked_cases().items():
         want = cp.sdpa_in_layout(q, k, v, attn_mask=mask.dense(length))
         for method in ("default", "contiguous"):
-            plan = cp.plan_dispatch(mask, length, world, **({} if method == "default" else {"method": method}))
-            plans[mask_name, method] = plan
-            mine = plan.index(rank)
-            ins = [t[:, mine].requires_grad_(True) for t in (q, k, v)]
             for how in ("ring", f"usp 2x{world // 2}"):
+                # The default plan is the one planned for the call: usp's with its Ulysses size.
+                ulysses = 1 if how == "ring" else 2
+                plan = cp.plan_dispatch(mask, length, world, ulysses_size=ulysses,
+                                        **({} if method == "default" else {"method": method}))
+                plans[mask_name, how, method] = plan
+                mine = plan.index(rank)
+                ins = [t[:, mine].requires_grad_(True) for t in (q, k, v)]
+
                 def step(ins=ins, plan=plan, how=how, g_out=grad[:, mine]) -> Any:
                     if how == "ring":
                         out = cp.ring_attention(*ins, group, plan=plan)
@@ -214,7 +219,7 @@ def _measure_masked(rank: int, world: int, store: str, opts: dict[str, Any]) -> 
     if rank:
         return None
     return {" | ".join(key): {"ms": statistics.median(times[key]) * 1e3, "bytes": counted[key][0],
-                              "balance": counted[key][1], **plan_facts(plans[key[0], key[2]])} for key in ways}
+                              "balance": counted[key][1], **plan_facts(plans[key])} for key in ways}
 
 
 def plan_facts(plan: Any) -> dict[str, Any]:

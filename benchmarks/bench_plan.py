@@ -8,8 +8,7 @@ first measures the group's rates (``cp.measure_rates``, the same on every rank),
 attention (``cp.AttentionShape(8, 16, dtype="float32")``, ``ulysses_size`` 1 for the ring, 2 for usp). Each
 way is checked against one process under the dense mask before timing; times are the slowest rank's, median
 of the repetitions in rotating order; bytes are ``cp.count_attention``'s (K/V and their gradients sent point
-to point, the busiest rank's). The attention engines send point to point whatever ``plan.transport`` says
-until the merged engine honours it, so a plan whose transport is not p2p is measured as p2p. Where the auto plan
+to point, the busiest rank's); each plan runs with its own transport (``plan.transport``). Where the auto plan
 is the contiguous split or the balanced plan (equal values: the same layout and transport) it is timed once, as
 that plan.
 
@@ -172,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         rows,
         notes + [f"median of {args.reps} repetitions in rotating order (slowest rank), {args.threads} thread(s) per "
                  f"rank; predicted: plan.predicted_ms; all match one-process attention within 1e-5 before timing; "
-                 f"the engines send point to point whatever plan.transport says. Worst auto vs contiguous: "
+                 f"each plan runs with its own transport. Worst auto vs contiguous: "
                  f"{min(speeds):.2f}x; worst packed bytes auto / contiguous: "
                  f"{max(ratios) if ratios else float('nan'):.2f}"],
     ))
