@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from cp import online_softmax
+
 #: Causal tiles of at least this many rows are split (below it the single call is as fast, forward).
 MIN_ROWS = 512
 #: The diagonal blocks' rows: halved while above this (fewer rows cost more per score than they save).
@@ -80,10 +82,7 @@ def forward(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         o2, l2 = op(_batch(_halves(q, s, 1)), _batch(_halves(k, s, 0)), _batch(_halves(v, s, 0)), 0.0, False,
                     scale=scale)
         o2, l2 = _unbatch(o2, b), _unbatch(l2, b)
-        ov, lv = _halves(out, s, 1), _halves(lse, s, 1)
-        new = torch.logaddexp(lv, l2)
-        ov.mul_(torch.exp(lv - new).unsqueeze(-1)).add_(o2.mul_(torch.exp(l2 - new).unsqueeze(-1)))
-        lv.copy_(new)
+        online_softmax.merge(_halves(out, s, 1), _halves(lse, s, 1), o2, l2)
     return out, lse
 
 

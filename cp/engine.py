@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from cp import counting, kernels
+from cp import counting, kernels, online_softmax
 from cp.comm import backend_for, global_ranks
 from cp.mask_schedule import Block, Schedule, Send, Tile
 
@@ -100,14 +100,11 @@ def _rows(x: torch.Tensor, rows: Any, dim: int = -2) -> torch.Tensor:
 
 def _merge(acc: torch.Tensor, lse: torch.Tensor, rows: Any, out: torch.Tensor, blse: torch.Tensor) -> None:
     """Merge a tile's normalized output and log-sum-exp into rows ``rows`` of the running ones (online softmax)."""
-    a, lo = _rows(acc, rows), _rows(lse, rows, -1)
-    new = torch.logaddexp(lo, blse)
-    a = a.mul_(torch.exp(lo - new).unsqueeze(-1)).add_(out.mul_(torch.exp(blse - new).unsqueeze(-1)))
-    if isinstance(rows, slice):
-        lo.copy_(new)
-    else:
+    a, lo = _rows(acc, rows), _rows(lse, rows, -1)  # views for a slice, copies for an index
+    online_softmax.merge(a, lo, out, blse)
+    if not isinstance(rows, slice):
         acc.index_copy_(-2, rows, a)
-        lse.index_copy_(-1, rows, new)
+        lse.index_copy_(-1, rows, lo)
 
 
 def _add_rows(total: torch.Tensor, rows: Any, part: torch.Tensor) -> None:

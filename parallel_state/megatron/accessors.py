@@ -225,11 +225,6 @@ def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = F
     """Deprecated megatron-core name of get_expert_data_parallel_group."""
     warnings.warn("get_data_modulo_expert_parallel_group is deprecated, please use "
                   "get_expert_data_parallel_group instead.", DeprecationWarning, 1)
-    if not partial_expert_data_parallel:
-        try:
-            return _A["edp.group"]
-        except KeyError:
-            pass
     return _lookup(_edp_key("group", False, partial_expert_data_parallel))
 
 
