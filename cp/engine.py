@@ -18,37 +18,53 @@ How K/V reach the ranks that need them (``AttentionCall.transport``):
   travel again and each block's dK/dV accumulator travels behind it, round the whole ring (every
   rank takes part in every step's exchange), back to the block's owner.
 - ``"p2p"``: straight from the owner to each rank that needs a block, only the needed tokens (at
-  step t to rank + t, from rank - t). On gloo every rank starts all its sends and receives at step 0,
-  so that no rank waits for another to reach a step (on shared CPU cores each such wait is a wake-up
-  of another process; the rank then holds every block it needs at once, as with "allgather"); NCCL
-  orders a batch of sends and receives on one stream, where transfers started early would wait for
-  ranks that wait for this one, so there each step starts its own.
+  step t to rank + t, from rank - t). On gloo every rank posts all its receives on entry and starts
+  all its sends after its own block, once every rank has posted its receives (below), so that no
+  rank waits for another to reach a step (on shared CPU cores each such wait is a wake-up of another
+  process; the rank then holds every block it needs at once, as with "allgather"); NCCL orders a
+  batch of sends and receives on one stream, where transfers started early would wait for ranks
+  that wait for this one, so there each step starts its own.
   Backward: a received block's dK/dV goes straight back to its owner (one message per block; on gloo
-  the owner starts receiving them all at step 0 too).
+  the owner posts all their receives on entry too).
 - ``"allgather"``: one all-gather of every rank's K/V (shards padded to the longest), overlapped
   with the rank's own block; backward gathers again and returns every block's dK/dV to its owner
   in one all-to-all (a reduce-scatter). Fewest messages: best for short sequences and many clips.
 
-Ring and p2p (p2p on gloo: all at step 0, above) start step t + 1's transfer before step t's compute,
+Ring and p2p (p2p on gloo: all at once, above) start step t + 1's transfer before step t's compute,
 so the two overlap; no rank then holds more than two other ranks' K/V at once. ``cp.count_attention`` sees every call.
+
+The cross-rank check of a call's inputs (``AttentionCall.check``) is judged after the rank's own block
+and before any K/V is sent. With p2p on gloo every pass posts all its receives first, then starts one
+round (the forward's check; in the backward, or without a check, an empty row) whose table needs every
+rank's row, each sent after that rank's receives: so every sender finds its receiver ready. A gloo
+message that arrives before its receive costs the two sides' loop threads about 1.3 ms of CPU per
+512 KiB on loopback; one whose receive is waiting about 0.3 ms in all (measured with 2 processes).
+The check's row carries the bytes posted from each rank; a failed check completes those receives with
+empty messages (``_Exchange.drain``) before it raises, so no receive stays posted.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from cp import counting, kernels, online_softmax
+from cp import agree, counting, kernels, online_softmax
 from cp.comm import backend_for, global_ranks
 from cp.mask_schedule import Block, Schedule, Send, Tile
 
 TRANSPORTS = ("ring", "p2p", "allgather")
 #: Message tags of K/V and of their gradients, so that gloo never pairs one kind's send with the other's receive.
 _TAG_KV, _TAG_DKV = 11, 12
+
+#: A started cross-rank check (``cp.masked.start_agree``): waits for every rank's row and raises the same
+#: ValueError on every rank on a mismatch, calling its argument first with every rank's posted bytes.
+Confirm = Callable[[Callable[[list[list[int]]], None]], None]
+#: Starts the check, given the bytes this rank has posted receives for from each group rank.
+StartCheck = Callable[[Sequence[int]], Confirm]
 
 
 @dataclass(frozen=True)
@@ -58,10 +74,10 @@ class AttentionCall:
     q, k, v are laid out with the sequence at dim ``seq_dim`` and the heads at ``head_dim`` (the
     last remaining dim is the feature dim); ``groups`` query heads share one K/V head (GQA);
     ``scale`` multiplies the scores. ``group``: the ranks attending together (None: one process);
-    ``schedule``: this rank's part; ``transport``: one of TRANSPORTS. ``confirm``: the cross-rank check
-    of the call's inputs, started (``cp.masked.start_agree``): called once the rank's own block is
-    computed and before any K/V moves, so its round trip overlaps that compute and a mismatch raises
-    on every rank before anything is sent.
+    ``schedule``: this rank's part; ``transport``: one of TRANSPORTS. ``check``: starts the cross-rank
+    check of the call's inputs (``cp.masked.start_agree``); the forward starts it on entry and judges it
+    once the rank's own block is computed and before any K/V is sent, so its round trip overlaps that
+    compute and a mismatch raises on every rank before anything is sent.
     """
 
     seq_dim: int
@@ -71,7 +87,7 @@ class AttentionCall:
     group: Any
     schedule: Schedule
     transport: str = "p2p"
-    confirm: Callable[[], None] | None = None
+    check: StartCheck | None = None
 
 
 def starts_all_at_once(backend: str | None) -> bool:
@@ -153,6 +169,7 @@ class _Exchange:
             self.grad_works: list[Any] = []
             self.pending: Any = None
             self.early_grads: list[tuple[torch.Tensor, Send]] = []  # eager p2p: every sent block's dK/dV
+            self.grads_posted = False
             self.incoming: torch.Tensor | None = None  # the ring's dK/dV accumulator of the block held now
             self.sending: torch.Tensor | None = None
             self.grad_rows: torch.Tensor | None = None  # allgather: every source's dK/dV from this rank
@@ -219,6 +236,8 @@ class _Exchange:
         """Start every step's K/V transfer at once (p2p on gloo, whose sends and receives are independent works):
         this rank's sends are all ready now, and a receive posted before its data arrives is read straight
         into its buffer, so no rank waits for another to reach a step."""
+        if not self.early:
+            self.post_receives()
         ops, whole = [], None
         for send in self.sched.sends[1:]:
             if send is None:
@@ -229,9 +248,27 @@ class _Exchange:
             ops.append(dist.P2POp(dist.isend, packed, self.ranks[send.dest], self.group, _TAG_KV))
             self.tell("kv_sent", send.dest, packed)
         self.send_works = _p2p(ops)
+
+    def post_receives(self) -> list[int]:
+        """Post every step's K/V receive (p2p on gloo); the bytes posted from each group rank."""
+        posted = [0] * self.n
         for t in range(1, self.n):
             recv = self._recv_op(t)
             self.early[t] = ([], None) if recv is None else (_p2p([recv[0]]), recv[1])
+            if recv is not None:
+                posted[self.sched.blocks[t].source] += recv[1].numel() * recv[1].element_size()  # type: ignore[union-attr]
+        return posted
+
+    def drain(self, posted: list[list[int]]) -> None:
+        """After a failed check: send every rank the empty bytes it posted a receive for from this one
+        (``posted[i][j]``: rank i's from rank j) and complete this rank's own, so that no receive stays posted."""
+        ops = [dist.P2POp(dist.isend, self.k.new_zeros(row[self.rank], dtype=torch.uint8), self.ranks[i],
+                          self.group, _TAG_KV) for i, row in enumerate(posted) if i != self.rank and row[self.rank]]
+        works = _p2p(ops)
+        for received, _ in self.early.values():
+            _wait(received)
+        self.early = {}
+        _wait(works)
 
     def _recv_op(self, t: int) -> tuple[Any, torch.Tensor] | None:
         """Step t's K/V receive (from rank - t) and its buffer; None when this rank needs nothing then."""
@@ -316,8 +353,8 @@ class _Exchange:
         if t == 0:
             if block is not None:
                 _add_tokens(self.dk, self.dv, block.index, dkb, dvb)  # type: ignore[arg-type]
-            if transport == "p2p" and self.eager:
-                self._post_grad_receives()
+            if transport == "p2p" and self.eager and not self.grads_posted:
+                self.post_grad_receives()
             if transport != "ring" or self.n == 1:
                 return
         if transport == "p2p":
@@ -327,8 +364,9 @@ class _Exchange:
         elif block is not None:
             self._grad_row(block, dkb, dvb)
 
-    def _post_grad_receives(self) -> None:
+    def post_grad_receives(self) -> None:
         """Start receiving, at step 0 (p2p on gloo, as the K/V), the dK/dV of every block this rank sends."""
+        self.grads_posted = True
         ops = []
         for send in self.sched.sends[1:]:
             if send is not None:
@@ -445,6 +483,27 @@ def _mask(choice: kernels.KernelChoice, tile: Tile, device: torch.device) -> tor
     return tile.masked_out(device) if choice.name == "math" or choice.bias else None
 
 
+def _receives_first(ex: _Exchange, check: StartCheck | None, grads: bool) -> Confirm | None:
+    """Post the pass's receives (p2p on gloo: K/V, and with ``grads`` the dK/dV of the blocks this rank sends),
+    then start the round after which every rank has posted its own: the call's ``check`` (its row carries the
+    bytes posted) or, without one, an empty row. The pass judges it after its own block, then sends. None where
+    nothing is to be waited for (no check, and receives posted step by step)."""
+    eager = ex.eager and ex.call.transport == "p2p"
+    posted = ex.post_receives() if eager else [0] * ex.n
+    if eager and grads:
+        ex.post_grad_receives()
+    if check is not None:
+        return check(posted)
+    if not eager:
+        return None
+    pending = agree.start([0], ex.group)
+
+    def everyone_posted(drain: Callable[[list[list[int]]], None]) -> None:
+        pending.table()  # an empty row: nothing to judge, nothing to drain
+
+    return everyone_posted
+
+
 class _Engine(torch.autograd.Function):
     """Attention on [..., Hkv, G, S, D] queries and [..., Hkv, S, D] keys and values of this rank."""
 
@@ -458,8 +517,11 @@ class _Engine(torch.autograd.Function):
         acc = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=cd)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=cd)
         fresh = True  # nothing merged yet: a first tile of every row is the result so far
+        confirm = _receives_first(ex, call.check, grads=False)
+        if confirm is not None and call.check is not None and q.shape[-2] != sched.local:
+            confirm(ex.drain)  # this rank's own block does not fit its tokens: the check's table says so
         for t in range(sched.n):
-            if t or call.confirm is None:
+            if t or confirm is None:
                 ex.start(t)  # overlaps this step's compute
             block = sched.blocks[t]
             if block is not None:
@@ -478,8 +540,8 @@ class _Engine(torch.autograd.Function):
                     for c in counts:
                         c.pairs += per_row * tile.allowed
                         c.scores += per_row * tile.num_rows * (tile.c1 - tile.c0)
-            if t == 0 and call.confirm is not None:
-                call.confirm()  # every rank's inputs agree: now the K/V may move
+            if t == 0 and confirm is not None:
+                confirm(ex.drain)  # every rank's inputs agree: now the K/V may move
                 ex.start(0)
             ex.finish(t)
         for c in counts:
@@ -500,8 +562,10 @@ class _Engine(torch.autograd.Function):
         do = grad.contiguous()
         delta = (do.to(cd) * out.to(cd)).sum(-1)
         dq = q.new_zeros(q.shape, dtype=cd)
+        ready = _receives_first(ex, None, grads=True)
         for t in range(sched.n):
-            ex.start(t)
+            if t or ready is None:
+                ex.start(t)
             block = sched.blocks[t]
             dkb = dvb = None
             if block is not None:
@@ -527,6 +591,9 @@ class _Engine(torch.autograd.Function):
                         c.backward_pairs += per_row * tile.allowed
                 if dkb is None or dvb is None:  # a block without tiles (no query sees it) adds nothing
                     dkb, dvb = kb.new_zeros(kb.shape, dtype=cd), vb.new_zeros(vb.shape, dtype=cd)
+            if t == 0 and ready is not None:
+                ready(ex.drain)  # every rank has posted its receives
+                ex.start(0)
             ex.grad(t, block, dkb, dvb)
             ex.finish(t)
         dk, dv = ex.grads()

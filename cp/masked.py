@@ -18,9 +18,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from cp import engine, mask_schedule
-from cp.agree import judged, start
+from cp.agree import start
 from cp.comm import global_ranks
-from cp.engine import TRANSPORTS, AttentionCall
+from cp.engine import TRANSPORTS, AttentionCall, Confirm, StartCheck
 from cp.mask_schedule import Schedule
 
 # ----------------------------------------------------------------------------- arguments
@@ -105,13 +105,21 @@ def agree(what: str, group: Any, plan: Any, named: Sequence[tuple[str, int]], la
     ``even``: no plan and no length were given, so every rank must hold the same number of tokens.
     ``ring_group``: ``group`` is the Ulysses group of usp and the ranks are the cp ranks the two span.
     """
-    start_agree(what, group, plan, named, layout, fix, even, ring_group)()
+    start_agree(what, group, plan, named, layout, fix, even, ring_group)(_nothing_posted)
+
+
+def _nothing_posted(posted: list[list[int]]) -> None:
+    """The drain of a check made before any receive is posted: nothing to complete."""
 
 
 def start_agree(what: str, group: Any, plan: Any, named: Sequence[tuple[str, int]], layout: str, fix: str,
-                even: bool = False, ring_group: Any = None) -> Callable[[], None]:
+                even: bool = False, ring_group: Any = None, posted: Sequence[int] = ()) -> Confirm:
     """``agree``, started: the gather runs while the caller computes; calling the result waits for it and raises
-    as ``agree`` does (call it on every rank before anything else crosses the group)."""
+    as ``agree`` does (call it on every rank before anything else crosses the group).
+
+    ``posted``: the bytes this rank has already posted receives for, from each group rank (as many entries on
+    every rank; not judged). On a failed check the result calls its ``drain`` argument with every rank's
+    ``posted`` before it raises, so that the caller can complete those receives (``cp.engine``)."""
     want = plan.sizes
     ranks = None if ring_group is not None else global_ranks(group)
     unit = "cp" if ring_group is not None else "group"
@@ -134,11 +142,16 @@ def start_agree(what: str, group: Any, plan: Any, named: Sequence[tuple[str, int
                for i, row in enumerate(table) for c, (name, _) in enumerate(named, start=2) if row[c] != want[i]]
         return f"{'; '.join(bad)} (every {unit} rank's: {list(want)}); {fix}" if bad else None
 
-    row = [plan.fingerprint(), TRANSPORTS.index(plan.transport), *(size for _, size in named)]
+    width = 2 + len(named)
+    row = [plan.fingerprint(), TRANSPORTS.index(plan.transport), *(size for _, size in named), *posted]
     pending = start(row, group, ring_group)
 
-    def confirm() -> None:
-        judged(what, pending.table(), judge)
+    def confirm(drain: Callable[[list[list[int]]], None]) -> None:
+        table = pending.table()
+        problem = judge(table)
+        if problem:
+            drain([r[width:] for r in table])
+            raise ValueError(f"{what}: {problem}")
 
     return confirm
 
@@ -147,10 +160,11 @@ def start_agree(what: str, group: Any, plan: Any, named: Sequence[tuple[str, int
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sched: Schedule, group: Any, s: int, h: int,
-           scale: float, transport: str = "p2p", confirm: Callable[[], None] | None = None) -> torch.Tensor:
+           scale: float, transport: str = "p2p", check: StartCheck | None = None) -> torch.Tensor:
     """Masked attention for q, k, v in layout (seq dim ``s``, head dim ``h``), K/V heads dividing q's (GQA);
     this rank's output in q's layout, by cp.engine. Every rank of ``group`` (None: one process) must call it.
-    ``confirm``: a started check (``start_agree``), judged once this rank's own block is computed."""
+    ``check``: starts the cross-rank check (``start_agree`` given every argument but ``posted``), which the
+    engine judges once this rank's own block is computed."""
     groups = q.shape[h] // k.shape[h]
-    call = AttentionCall(s, h, groups, scale, group, sched, transport if group is not None else "p2p", confirm)
+    call = AttentionCall(s, h, groups, scale, group, sched, transport if group is not None else "p2p", check)
     return engine.attend(call, q, k, v)

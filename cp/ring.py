@@ -217,16 +217,15 @@ def _masked_ring(what: str, q: Any, k: Any, v: Any, group: Any, args: Any) -> to
     rank = 0 if group is None else group.rank()
     sched = masked.schedule(plan, "plan", lambda: plan.positions, rank, q.device)
     layout, fix = masked.layout_words(given, plan, n)
-    confirm = None
-    if n > 1:  # judged by the engine once this rank's own block is computed, before any K/V moves
-        confirm = masked.start_agree(what, group, plan, [("q", q.shape[s])], layout, fix,
-                                     even=given is None and args.length is None)
-        if q.shape[s] != plan.sizes[rank]:
-            confirm()  # this rank's own block does not fit its tokens: the table names the mistake, on every rank
+    check = None
+    if n > 1:  # started by the engine, judged once this rank's own block is computed, before any K/V moves
+        def check(posted: Sequence[int]) -> engine.Confirm:
+            return masked.start_agree(what, group, plan, [("q", q.shape[s])], layout, fix,
+                                      even=given is None and args.length is None, posted=posted)
     elif q.shape[s] != plan.length:
         raise ValueError(f"{what}: q holds {q.shape[s]} tokens (seq_dim {args.seq_dim}) but the {layout} is for "
                          f"{plan.length}; without a group, pass the whole sequence")
-    return masked.attend(q, k, v, sched, group if n > 1 else None, s, h, scale, plan.transport, confirm)
+    return masked.attend(q, k, v, sched, group if n > 1 else None, s, h, scale, plan.transport, check)
 
 
 __all__ = ["ring_attention", "ring_attention_blocks"]

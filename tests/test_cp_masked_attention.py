@@ -249,8 +249,9 @@ def case_usp():
 
 
 def case_traffic_is_point_to_point_to_the_needy():
-    """Spy on torch.distributed while the masked ring runs (the real functions still run): one all-to-all (the
-    check of every rank's plan and tokens), then point-to-point messages only, each to a rank whose queries see
+    """Spy on torch.distributed while the masked ring runs (the real functions still run): per pass one all-to-all
+    (the forward's check of every rank's plan and tokens, the backward's round saying every rank posted its
+    receives) with only receives before it, and point-to-point messages only, each to a rank whose queries see
     the sender's keys; the counter saw the same bytes."""
     import torch.distributed as dist
 
@@ -269,9 +270,11 @@ def case_traffic_is_point_to_point_to_the_needy():
     mine = [t.index_select(1, plan.index(me)).requires_grad_(True) for t in (q, k, v)]
     with spying(record), cp.count_attention() as count:
         out = cp.ring_attention(*mine, g, plan=plan)
+        forward = len(calls)
         out.sum().backward()
     assert set(calls) <= {"all_to_all_single", "batch_isend_irecv", "isend", "irecv"}, calls
-    assert calls.count("all_to_all_single") == 1, calls
+    for part in (calls[:forward], calls[forward:]):  # gloo: no message leaves before every receive is posted
+        assert part.count("all_to_all_single") == 1 and "isend" not in part[:part.index("all_to_all_single")], calls
     # gloo: every transfer of the pass starts at step 0; NCCL (one stream per batch) would deadlock on that.
     assert cp.engine.starts_all_at_once(cp.comm.backend_for(g, "cpu")) and not cp.engine.starts_all_at_once("nccl")
     pairs = plan.pairs()
@@ -337,6 +340,20 @@ def case_errors():
         z = _data((1, 5 + (me == 3), 4, 4), 1)  # no plan, no length: every rank must hold as many
         _raises(ValueError, ["different numbers of tokens", "pass length="], fn, z, z, z, g, mask=mask)
         found += 1
+    # With p2p on gloo every rank posts its K/V receives before the check: a failed check completes them (each
+    # rank sends the empty bytes the others posted for), so the next call on the group is exact.
+    ref = _data((1, 22, 4, 4), 2)
+    for transport in ("p2p", "ring", "allgather"):
+        tp = cp.plan_dispatch(mask, 22, n, transport=transport)
+        wrong = _data((1, tp.sizes[me] + (me == 1), 4, 4), 1)
+        _raises(ValueError, ["group rank 1 (global 1) holds"], cp.ring_attention, wrong, wrong, wrong, g, plan=tp)
+        other = cp.plan_dispatch(cp.Mask.causal(), 22, n, transport=transport) if me == 2 else tp
+        y = _data((1, other.sizes[me], 4, 4), 1)
+        _raises(ValueError, ["different masks or plans"], cp.ring_attention, y, y, y, g, plan=other)
+        mine = ref.index_select(1, tp.index(me))
+        want = cp.sdpa_in_layout(ref, ref, ref, attn_mask=mask.dense(22)).index_select(1, tp.index(me))
+        assert _rel(cp.ring_attention(mine, mine, mine, g, plan=tp), want) <= 1e-12, transport
+        found += 1
     # usp: a wrong count in one Ulysses group reaches the ranks of the other one too.
     ps.initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2],
                                  timeout=datetime.timedelta(seconds=30))
@@ -384,7 +401,7 @@ def test_masked_ring_sends_only_to_ranks_that_need_the_keys(pools):
 
 
 def test_masked_bad_combinations_raise_on_every_rank(pools):
-    assert pools(4).run(case_errors) == [12] * 4
+    assert pools(4).run(case_errors) == [15] * 4
 
 
 def test_one_process_masked_attention_is_the_dense_mask():
