@@ -63,13 +63,9 @@ DERIVED: dict[str, Callable[[Any], Any]] = {
     "pp.last": lambda a: a("pp.ranks")[a("pp.size") - 1],
     "pp.next": lambda a: _pp_at(a, 1),
     "pp.prev": lambda a: _pp_at(a, -1),
-    "tp.src": lambda a: a("tp.ranks")[0],
-    "tp-cp.src": lambda a: a("tp-cp.ranks")[0],
-    "tp-pp.src": lambda a: a("tp-pp.ranks")[0],
-    "dp.src": lambda a: a("dp.ranks")[0],
-    "dp-cp.src": lambda a: a("dp-cp.ranks")[0],
-    "ep.src": lambda a: a("ep.ranks")[0],
     "all_ranks": _all_ranks,
+    # A kind's source rank (megatron-core's get_*_src_rank) is the first of its global ranks.
+    **{f"{r.name}.src": (lambda a, ranks=f"{r.name}.ranks": a(ranks)[0]) for r in ROWS if r.with_ranks},
 }
 
 #: How messages name the answers that are no kind's (every kind's ``title`` names it).
