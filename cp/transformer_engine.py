@@ -181,7 +181,7 @@ def _digest(*parts: Any) -> int:
 #: The fields every rank's call is compared by, in the agreement row (name, how it is shown).
 _FIELDS = ("qkv_format", "attention mask", "cp_comm_type", "q shape", "k shape", "v shape", "dtype", "cu_seqlens",
            "softmax_scale")
-_MESSAGE_BYTES = 512
+_MESSAGE_BYTES = 1024
 
 
 def _encode(message: str) -> list[int]:
@@ -200,12 +200,20 @@ def _agree(fields: tuple[Any, ...], problem: str | None, group: Any, ring_group:
     every other rank's, in one gather; all raise the same ValueError if any rank has a problem or they differ."""
     row = [_digest(f) for f in fields] + [problem is not None] + _encode(problem or "")
     table = agree.gather(row, group, ring_group)
-    who = ((lambda i: f"cp rank {i}") if ring_group is not None
-           else (lambda i, ranks=global_ranks(group): f"group rank {i} (global {ranks[i]})"))
+    names = None if ring_group is not None else global_ranks(group)
+
+    def who(i: int) -> str:
+        return f"cp rank {i}" if names is None else f"group rank {i} (global {names[i]})"
+
     width = len(fields)
-    bad = [f"{who(i)}: {_decode(r[width + 1:])}" for i, r in enumerate(table) if r[width]]
-    if bad:
-        raise ValueError("DotProductAttention: " + "; ".join(bad))
+    problems: dict[str, list[int]] = {}
+    for i, r in enumerate(table):
+        if r[width]:
+            problems.setdefault(_decode(r[width + 1:]), []).append(i)
+    if problems:
+        raise ValueError("DotProductAttention: " + "; ".join(
+            (f"on every rank of the cp group: {text}" if len(ranks) == len(table)
+             else f"{', '.join(who(i) for i in ranks)}: {text}") for text, ranks in problems.items()))
     differ = [name for c, name in enumerate(_FIELDS) if len({r[c] for r in table}) > 1]
     if differ:
         mine = dict(zip(_FIELDS, fields, strict=True))

@@ -19,6 +19,7 @@ import torch
 
 import cp
 from cp.transformer_engine import EXTRA_PARAMETERS, TE_RELEASE, DotProductAttention
+from cpgroups import raises, spying
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"te_dot_product_attention_{TE_RELEASE}.json")
 
@@ -317,6 +318,83 @@ def case_cosmos():
     return max(errs)
 
 
+# ---------------------------------------------------------------- errors: on every rank, before any collective
+
+
+def case_errors():
+    """Every bad input raises the same ValueError on every rank, naming what to change, after one small agreement
+    round (one all-to-all: cp.agree) and before any K/V moves; ranks that disagree all raise; nothing is left
+    half-built (the next good call is exact)."""
+    import torch.distributed as dist
+
+    g, me = dist.group.WORLD, dist.get_rank()
+    ranks = list(range(dist.get_world_size()))
+
+    def dpa(**kwargs):
+        module = DotProductAttention(4, 8, **{"qkv_format": "bshd", **kwargs})
+        module.set_context_parallel_group(g, ranks, None, kwargs.pop("cp_comm_type", "p2p"))
+        return module
+
+    x = _data((1, 8, 4, 8), 1)
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    thd = _data((8, 4, 8), 2)
+    cases = [  # (fragments, module, q, k, v, forward keywords): every rank passes the same
+        (["has 6 tokens, not a multiple of 2 * cp_size = 4", "pad every sequence"], dpa(), x[:, :3], x[:, :3],
+         x[:, :3], {}),
+        (["needs cu_seqlens_q_padded and cu_seqlens_kv_padded"], dpa(qkv_format="thd", attn_mask_type="padding"),
+         thd, thd, thd, {"cu_seqlens_q": cu, "cu_seqlens_kv": cu}),
+        (["scatters heads over 2 ranks, but q has 3 heads", "cp_comm_type='p2p'"],
+         DotProductAttention(3, 8, qkv_format="bshd", cp_group=g, cp_comm_type="a2a"), x[:, :, :3], x[:, :, :3],
+         x[:, :, :3], {}),
+        (["attention_dropout=0.1", "or call .eval()"], dpa(attention_dropout=0.1), x, x, x, {}),
+        (["core_attention_bias_type='post_scale_bias'", "core_attention_bias="], dpa(), x, x, x,
+         {"core_attention_bias_type": "post_scale_bias", "core_attention_bias": torch.zeros(1, 4, 16, 16)}),
+        (["window_size=(2, 0) with qkv_format='thd' is not supported"],
+         dpa(qkv_format="thd", attn_mask_type="padding_causal", window_size=(2, 0)), thd, thd, thd,
+         {"cu_seqlens_q": cu, "cu_seqlens_kv": cu, "cu_seqlens_q_padded": cu, "cu_seqlens_kv_padded": cu}),
+        (["attn_mask_type='padding' with qkv_format='bshd'", "qkv_format='thd'"], dpa(attn_mask_type="padding"), x,
+         x, x, {}),
+        (["attn_mask_type='arbitrary'", "mask=cp.Mask"], dpa(attn_mask_type="arbitrary"), x, x, x, {}),
+        (["context parallelism needs self attention", "leave the cross attention's cp_group None"], dpa(), x,
+         x[:, :4], x[:, :4], {}),
+        (["must have num_gqa_groups / tp_size = 4 heads, found 2"], dpa(), x, x[:, :, :2], x[:, :, :2], {}),
+    ]
+    found = 0
+    for fragments, module, q, k, v, kwargs in cases:
+        calls = []
+        with spying(lambda name, args, kw, calls=calls: calls.append(name)):
+            msg = raises(ValueError, ["on every rank of the cp group", *fragments], module, q, k, v, **kwargs)
+        assert calls == ["all_to_all_single"], (msg, calls)  # the agreement round, nothing else
+        found += 1
+    # Set-up mistakes raise at once, where they are made (no communication).
+    raises(ValueError, ["unsupported communication type cp_comm_type='ring'", "'a2a+p2p'"],
+           DotProductAttention(4, 8).set_context_parallel_group, g, ranks, None, "ring")
+    raises(ValueError, ["a list of groups is for cp_comm_type='a2a+p2p'"], DotProductAttention, 4, 8,
+           cp_group=[g, g])
+    raises(ValueError, ["cp_comm_type='a2a+p2p' needs cp_group=[a2a group, p2p group]"], DotProductAttention, 4, 8,
+           cp_group=g, cp_comm_type="a2a+p2p")
+    raises(ValueError, ["num_attention_heads=6 must be divisible by num_gqa_groups=4"], DotProductAttention, 6, 8,
+           num_gqa_groups=4)
+    raises(ValueError, ["softmax_type='off-by-one'", "'vanilla'"], DotProductAttention, 4, 8,
+           softmax_type="off-by-one")
+    found += 5
+    # Ranks that disagree: another comm type, another mask, a bad shape on one rank only.
+    for fragments, kwargs, shape in (
+            (["ranks call attention differently", "cp_comm_type"], {"cp_comm_type": "a2a" if me else "p2p"}, 8),
+            (["ranks call attention differently", "attention mask"], {"attn_mask_type": "causal" if me else
+                                                                       "no_mask"}, 8),
+            ([f"group rank 1 (global {ranks[1]}): ", "not a multiple of 2 * cp_size"], {}, 7 if me == 1 else 8)):
+        y = _data((1, shape, 4, 8), 3)
+        raises(ValueError, fragments, dpa(**kwargs), y, y, y)
+        found += 1
+    # Nothing half-built: the same modules' next good calls are exact; dropout is fine outside training.
+    module = dpa(attention_dropout=0.1).eval()
+    seq = 4 * len(ranks)
+    q, k, v = (_data((1, seq, 4, 8), 10 + i) for i in range(3))
+    _check("bshd", module, q, k, v, cp.Mask.causal().dense(seq), _dual_chunk_swap((0, seq), len(ranks), me), 1e-10)
+    return found
+
+
 # ---------------------------------------------------------------- tests
 
 
@@ -342,6 +420,10 @@ def test_cp_off_and_a_mask_of_ours(pools):
 def test_cosmos_predict2_block_with_context_parallel_equals_one_process(pools):
     for n in (2, 4):
         assert max(pools(n).run(case_cosmos, timeout=120)) <= 1e-10
+
+
+def test_bad_inputs_raise_on_every_rank_before_any_transfer(pools):
+    assert pools(2).run(case_errors, timeout=120) == [18, 18]
 
 
 def test_signatures_equal_transformer_engines():
