@@ -77,6 +77,7 @@ class Model:
     query_groups: int = 2
     seq: int = 16
     dtype: torch.dtype = torch.float64
+    position_embedding: str = "rope"
     config: dict = field(default_factory=dict)
 
 
@@ -258,7 +259,7 @@ def train_step(model: Model, spec, parallel: dict[str, Any], micro_batches: list
     torch.manual_seed(seed)
     # .to(): megatron-core's local norms are built in the default dtype whatever params_dtype says
     gpt = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=model.seq,
-                   position_embedding_type="rope").to(model.dtype)
+                   position_embedding_type=model.position_embedding).to(model.dtype)
     dp_cp = mps.get_data_parallel_group(with_context_parallel=True)
     wrapped = _data_parallel(config, gpt)(config, gpt, dp_cp)
 

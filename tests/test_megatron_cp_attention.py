@@ -82,7 +82,10 @@ def _chunk_mask(model: Model, samples: int) -> torch.Tensor:
 
 
 def _model(data) -> Model:
+    # hybrid: learned positions, because megatron-core 0.18+ passes hybrid samples as thd, and its attention
+    # rotates thd by pg_collection.cp (size 1 here), not by the sample's group
     return {"mqa": Model(query_groups=1), "heads2": Model(heads=2, query_groups=2),
+            "hybrid": Model(position_embedding="learned_absolute"),
             "dropout": Model(config={"attention_dropout": 0.1}), "qk_clip": Model(config={"qk_clip": True})
             }.get(data, Model())
 
@@ -134,7 +137,7 @@ def _references():
     # every rank runs all of it: the gradients' all-reduce over dp 4 then averages four equal copies
     return {"causal": train_step(model, spec, {}, [batch]), "chunk": train_step(model, spec, {}, [chunked]),
             "mqa": train_step(_model("mqa"), spec, {}, [batch]), "thd": train_step(model, spec, {}, thd),
-            "hybrid": train_step(model, spec, {}, hybrid)}
+            "hybrid": train_step(_model("hybrid"), spec, {}, hybrid)}
 
 
 def _groups(group):
