@@ -1,6 +1,6 @@
 """``cp.megatron.DotProductAttention`` in megatron-core's GPTModel, trained by megatron-core's own step.
 
-One pool call on 4 gloo ranks runs every case (tests/megatron_gpt.py: ``get_batch_on_this_cp_rank``,
+One pool call on 4 gloo ranks runs every case (benchmarks/megatron_gpt.py: ``get_batch_on_this_cp_rank``,
 ``get_forward_backward_func``'s schedule with a per-token loss, ``finalize_model_grads``): first the references,
 megatron-core's own local attention at cp 1 (every rank data parallel), then the same float64 GPTModel from
 ``get_gpt_layer_local_spec()`` with cp's core attention swapped in, on every topology and ``cp_comm_type``.
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import parallel_state as ps
-from megatron_gpt import Model, difference, dp_share, global_batch, release, train_step
+from benchmarks.megatron_gpt import Model, difference, dp_share, global_batch, release, train_step
 
 #: Loss (relative) and gradient (relative to each gradient's largest entry) agreement of a float64 model whose
 #: cross entropy runs in float32.
@@ -105,7 +105,7 @@ def _workload(data, model, cp_size):
     import megatron.core.parallel_state as mps
     import torch.distributed as dist
 
-    import megatron_gpt as mg
+    from benchmarks import megatron_gpt as mg
 
     if data.startswith("thd"):
         dp = mps.get_data_parallel_rank()
@@ -127,7 +127,7 @@ def _references():
     with one query group and chunk-causal, every thd pack's sequences one by one, every hybrid sample one by one."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    import megatron_gpt as mg
+    from benchmarks import megatron_gpt as mg
 
     spec, model = get_gpt_layer_local_spec(), Model()
     batch = global_batch(model, 4)
@@ -169,7 +169,7 @@ def _layer_checks():
     from megatron.core.transformer.spec_utils import build_module
 
     import cp.megatron
-    import megatron_gpt as mg
+    from benchmarks import megatron_gpt as mg
 
     spec = cp.megatron.swap_core_attention(get_gpt_layer_local_spec()).submodules.self_attention
     hidden = torch.randn(16, 2, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)

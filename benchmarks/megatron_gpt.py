@@ -1,12 +1,12 @@
-"""megatron-core's GPTModel trained one step by megatron-core's own training step, on the ranks of a pool.
+"""megatron-core's GPTModel trained by megatron-core's own training step on CPU ranks (tests and benchmarks).
 
-Shared by the tests of ``cp.megatron`` (and usable by any test that needs a real megatron-core model step):
-``train_step`` builds a tiny ``GPTModel`` from a layer spec, slices each rank's batch with megatron-core's
-``get_batch_on_this_cp_rank``, runs ``get_forward_backward_func()``'s schedule with a per-token loss and
-``finalize_model_grads``, and returns the loss and every parameter's whole gradient (tensor-parallel shards
+Shared by tests/test_megatron_cp_attention.py and benchmarks/bench_megatron_face.py. ``build`` makes a small
+``GPTModel`` from a layer spec; ``step`` slices each rank's batch with megatron-core's ``get_batch_on_this_cp_rank``
+and runs ``get_forward_backward_func()``'s schedule with a per-token loss and ``finalize_model_grads``;
+``train_step`` does both and returns the loss and every parameter's whole gradient (tensor-parallel shards
 gathered), the same on every rank.
 
-Two things a GPU gives megatron-core's step are supplied here, and only these:
+What a GPU gives megatron-core's step is supplied here, and only this:
 
 - ``DataParallel``: ``DistributedDataParallel`` keeps its gradient buffers on CUDA, so the model is wrapped in a
   subclass of megatron-core's own ``_BaseDataParallel`` whose ``finish_grad_sync`` does what DDP's does with
@@ -237,20 +237,15 @@ def cp_slice(batch: dict[str, Any], cp_group=None) -> dict[str, Any]:
     return get_batch_on_this_cp_rank(batch, cp_group=group)
 
 
-def train_step(model: Model, spec, parallel: dict[str, Any], micro_batches: list[dict[str, Any]], *,
-               cut: Callable = cp_slice, seed: int = 1) -> dict[str, Any]:
-    """One training step of ``GPTModel(spec)`` over this rank's ``micro_batches``; the loss and whole gradients.
+def build(model: Model, spec, parallel: dict[str, Any], seed: int = 1):
+    """``GPTModel(spec)`` (seeded: the same whole weights at every split) in its data-parallel wrapper.
 
-    ``parallel``: the TransformerConfig's parallel keywords (they must match the live parallel state, which
-    the model reads through megatron-core's globals). Each micro-batch (tokens, labels, loss_mask, position_ids
-    [b, s]; optional attention_mask [b, 1, s, s]) is cut to this rank's tokens inside the forward step by
-    ``cut(micro_batch)`` (default ``get_batch_on_this_cp_rank``), which may add ``packed_seq_params``.
+    ``parallel``: the TransformerConfig's parallel keywords; they must match the live parallel state, which the
+    model reads through megatron-core's globals.
     """
     import megatron.core.parallel_state as mps
-    import torch.distributed as dist
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -260,8 +255,18 @@ def train_step(model: Model, spec, parallel: dict[str, Any], micro_batches: list
     # .to(): megatron-core's local norms are built in the default dtype whatever params_dtype says
     gpt = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=model.seq,
                    position_embedding_type=model.position_embedding).to(model.dtype)
-    dp_cp = mps.get_data_parallel_group(with_context_parallel=True)
-    wrapped = _data_parallel(config, gpt)(config, gpt, dp_cp)
+    return _data_parallel(config, gpt)(config, gpt, mps.get_data_parallel_group(with_context_parallel=True))
+
+
+def step(wrapped, micro_batches: list[dict[str, Any]], cut: Callable = cp_slice) -> torch.Tensor:
+    """One training step: megatron-core's schedule over ``micro_batches`` (forward, backward, ``finalize_model_grads``;
+    gradients in each parameter's ``main_grad``); returns this rank's (loss sum, tokens).
+
+    Each micro-batch (tokens, labels, loss_mask, position_ids [b, s]; optional attention_mask [b, 1, s, s]) is cut
+    to this rank's tokens inside the forward step by ``cut(micro_batch)`` (default ``get_batch_on_this_cp_rank``),
+    which may add ``packed_seq_params``.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model):
         mb = cut(dict(next(data_iterator)))
@@ -279,9 +284,21 @@ def train_step(model: Model, spec, parallel: dict[str, Any], micro_batches: list
     with cpu_as_cuda():
         stored = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[wrapped],
-            num_microbatches=len(micro_batches), seq_length=model.seq, micro_batch_size=1)
-    loss = torch.stack([s["lm loss"] for s in stored]).sum(0)
-    dist.all_reduce(loss, group=dp_cp)
+            num_microbatches=len(micro_batches), seq_length=micro_batches[0]["tokens"].shape[1], micro_batch_size=1)
+    return torch.stack([s["lm loss"] for s in stored]).sum(0)
+
+
+def train_step(model: Model, spec, parallel: dict[str, Any], micro_batches: list[dict[str, Any]], *,
+               cut: Callable = cp_slice, seed: int = 1) -> dict[str, Any]:
+    """``build`` then one ``step``: the loss over every rank's tokens, every parameter's whole gradient and the
+    model, the same loss and gradients on every rank."""
+    import megatron.core.parallel_state as mps
+    import torch.distributed as dist
+
+    wrapped = build(model, spec, parallel, seed)
+    loss = step(wrapped, micro_batches, cut)
+    dist.all_reduce(loss, group=wrapped.dp_cp_group)
+    gpt = wrapped.module
     return {"loss": (loss[0] / loss[1]).item(), "grads": whole_grads(gpt, mps.get_tensor_model_parallel_group()),
             "model": gpt}
 
