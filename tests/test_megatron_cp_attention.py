@@ -363,3 +363,28 @@ def test_import_cp_does_not_import_megatron_core():
     code = "import sys, cp, cp.transformer_engine; print(any(m.startswith('megatron') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
+
+
+# --- the example ----------------------------------------------------------------------------------------------
+
+
+def case_example():
+    import importlib.util
+    import os
+
+    warnings.simplefilter("ignore")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "megatron_gpt_cp.py")
+    spec = importlib.util.spec_from_file_location("megatron_gpt_cp", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return {(cp_size, mask): example.train(steps=3, cp_size=cp_size, mask=mask)
+            for mask in (None, "chunk") for cp_size in (2, 1)}
+
+
+def test_the_example_trains_at_cp2_as_at_cp1(pools):
+    for rank, losses in enumerate(pools(4).run(case_example, timeout=300)):
+        for mask in (None, "chunk"):
+            at2, at1 = losses[(2, mask)], losses[(1, mask)]
+            assert at2 == pytest.approx(at1, rel=1e-5), (rank, mask, at2, at1)
+            assert at2[-1] < at2[0], (rank, mask, at2)  # it learns
+        assert losses[(2, None)] != losses[(2, "chunk")]  # the mask mattered

@@ -173,10 +173,6 @@ class DotProductAttention(te.DotProductAttention):
     def _with_group(self, group: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: Any, mask_type: str, kwargs: dict[str, Any]) -> torch.Tensor:
         """One call over ``group`` (hybrid context parallelism's per-batch group; None: off), then the module's own."""
-        if group is not None and group.size() > 1 and self.cp_comm_type == "a2a+p2p":
-            raise ValueError("cp.megatron.DotProductAttention.forward: packed_seq_params.cp_group (hybrid context "
-                             "parallelism) is one group, but cp_comm_type='a2a+p2p' needs the hierarchical pair; use "
-                             "cp_comm_type 'p2p', 'all_gather' or 'a2a' with hybrid context parallelism")
         own = (self.cp_group, self.cp_global_ranks, self.cp_stream, self.cp_comm_type)
         self.set_context_parallel_group(group, None if group is None else dist.get_process_group_ranks(group),
                                         self.cp_stream, self.cp_comm_type)

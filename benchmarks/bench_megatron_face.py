@@ -1,0 +1,215 @@
+"""megatron-core's core attention face (``cp.megatron.DotProductAttention``): its overhead, and a GPTModel step.
+
+1. The face's overhead: on 2 and 4 gloo ranks, forward + backward of the face called as megatron-core's attention
+   layer calls it (``core(q, k, v, attention_mask, attn_mask_type=..., attention_bias=None, packed_seq_params=...)``
+   on ``[s, b, np, hn]``), beside the engine call it makes, written out by hand with the same plan
+   (``cp.plan_dual_chunk_swap``: megatron-core's ``get_batch_on_this_cp_rank`` layout) and the same output handling.
+   Timed in turns after a barrier, the slowest rank's time, median over repetitions; overhead = the median over
+   rounds of face / engine in the same round. Cases: causal over p2p, all_gather and a2a, a chunk-causal ``mask=``,
+   and a padded thd pack (``packed_seq_params``).
+2. megatron-core's training step (benchmarks/megatron_gpt.py: ``get_batch_on_this_cp_rank``, the schedule of
+   ``get_forward_backward_func()``, ``finalize_model_grads``) of one GPTModel from ``get_gpt_layer_local_spec()``
+   on one sequence: at cp 1 with megatron-core's own attention (the peer) and with the face, at cp 2 and cp 4
+   with the face (p2p and a2a). The slowest rank's step, median over repetitions.
+
+Everything in float32 on CPU ranks (``--threads`` torch threads each).
+
+``python -m benchmarks megatron_face [-- --reps 15] [--worlds 2,4] [--seq 2048]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.bench_attention import join, time_in_turns
+from benchmarks.bench_te_face import _thd_bounds
+from benchmarks.harness import median, spawn_measure, table
+
+
+@dataclass(frozen=True)
+class Case:
+    """One face call: its data ("causal", "chunk" for mask=cp.Mask.chunk_causal(64), "thd"), the comm type, sizes."""
+
+    data: str
+    comm: str
+    tokens: int   # the whole sequence (thd: the padded pack)
+    heads: int = 8
+    dim: int = 16
+
+
+CASES = [Case("causal", "p2p", 1024), Case("causal", "all_gather", 1024), Case("causal", "a2a", 1024),
+         Case("chunk", "p2p", 1024), Case("thd", "p2p", 1024), Case("causal", "p2p", 64, 4, 8)]
+CHUNK = 64
+
+
+def _measure_face(rank: int, world: int, store: str, opts: dict[str, Any]) -> list[dict[str, Any]] | None:
+    import torch.distributed as dist
+
+    import parallel_state as ps
+
+    join(rank, world, store, opts)
+    ps.initialize_model_parallel(context_parallel_size=world)
+    rows = [_face_row(case, rank, world, opts) for case in CASES]
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return rows if rank == 0 else None
+
+
+def _face_row(case: Case, rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """One case on this rank: the face and the engine call, checked equal, then timed in turns."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    import cp
+    import cp.megatron
+    import parallel_state as ps
+
+    n, scale = case.tokens, case.dim ** -0.5
+    group = ps.get_context_parallel_group()
+    transport = "allgather" if case.comm == "all_gather" else "p2p"
+    packed, padding, mask = None, None, None
+    if case.data == "thd":
+        real, padded = _thd_bounds(n, world)
+        cu, cu_padded = (torch.tensor(b, dtype=torch.int32) for b in (real, padded))
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+                                 cu_seqlens_kv_padded=cu_padded, max_seqlen_q=n, max_seqlen_kv=n)
+        lengths = [real[i + 1] - real[i] for i in range(3)]
+        segments = [p for i in range(3) for p in (lengths[i], padded[i + 1] - padded[i] - lengths[i]) if p > 0]
+        plan = cp.plan_dual_chunk_swap(cp.Mask.packed(segments, chunk=1), n, world, cu_seqlens=padded)
+        keep = torch.zeros(n, dtype=torch.bool)
+        for i in range(3):
+            keep[padded[i]:padded[i] + lengths[i]] = True
+        padding = (~keep)[plan.index(rank)].view(-1, 1, 1)
+        shape = (n, case.heads, case.dim)
+    else:
+        mask = cp.Mask.chunk_causal(CHUNK) if case.data == "chunk" else None
+        plan = cp.plan_dual_chunk_swap(mask or cp.Mask.causal(), n, world, transport=transport)
+        shape = (n, 1, case.heads, case.dim)
+    config = TransformerConfig(num_layers=1, hidden_size=case.heads * case.dim, num_attention_heads=case.heads,
+                               context_parallel_size=world, attention_dropout=0.0)
+    face = cp.megatron.DotProductAttention(config, 1, AttnMaskType.causal, "self", cp_comm_type=case.comm,
+                                           pg_collection=ps.process_group_collection(), mask=mask)
+    g = torch.Generator().manual_seed(0)
+    ins = [torch.randn(shape, generator=g).index_select(0, plan.index(rank)).requires_grad_(True) for _ in range(3)]
+    grad = torch.randn(ins[0].shape[:-2] + (case.heads * case.dim,), generator=g)
+
+    def by_face(q: Any, k: Any, v: Any) -> Any:  # as megatron-core's Attention.forward calls its core attention
+        return face(q, k, v, None, attn_mask_type=AttnMaskType.causal, attention_bias=None, packed_seq_params=packed)
+
+    h = 1 if case.data == "thd" else 2
+
+    def by_engine(q: Any, k: Any, v: Any) -> Any:  # what the face calls, written out
+        if case.comm == "a2a":
+            out = cp.ulysses_attention(q, k, v, group, plan=plan, seq_dim=0, head_dim=h, scale=scale)
+        else:
+            out = cp.ring_attention(q, k, v, group, plan=plan, seq_dim=0, head_dim=h, softmax_scale=scale)
+        if padding is not None:
+            out = out.masked_fill(padding, 0)
+        return out.flatten(-2)
+
+    a, b = by_face(*ins), by_engine(*ins)
+    if not torch.equal(a, b):
+        raise AssertionError(f"{case}: the face and the engine call differ by {(a - b).abs().max().item()}")
+    times = time_in_turns({way: (lambda fn=fn: torch.autograd.grad(fn(*ins), ins, grad))
+                           for way, fn in (("face", by_face), ("engine", by_engine))}, group, opts)
+    ms = {k: median(v) * 1e3 for k, v in times.items()}
+    paired = median([f / e for f, e in zip(times["face"], times["engine"], strict=True)])
+    return {"ranks": world, "data": case.data, "comm": case.comm, "shape": list(shape), "face_ms": ms["face"],
+            "engine_ms": ms["engine"], "overhead": paired}
+
+
+#: The model-step rows: (ranks, attention, cp_comm_type).
+STEPS = [(1, "megatron-core", None), (1, "cp.megatron", None), (2, "cp.megatron", "p2p"), (2, "cp.megatron", "a2a"),
+         (4, "cp.megatron", "p2p"), (4, "cp.megatron", "a2a")]
+
+
+def _measure_step(rank: int, world: int, store: str, opts: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The GPTModel step rows of this world size (cp = world), timed in turns."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    import cp.megatron
+    import parallel_state as ps
+    from benchmarks import megatron_gpt as mg
+
+    warnings.simplefilter("ignore")
+    join(rank, world, store, opts)
+    ps.initialize_model_parallel(context_parallel_size=world)
+    model = mg.Model(layers=2, hidden=128, heads=8, query_groups=8, seq=opts["seq"], dtype=torch.float32)
+    batch = mg.global_batch(model, 1)
+    steps, rows = {}, []
+    for ranks, attention, comm in STEPS:
+        if ranks != world:
+            continue
+        spec = get_gpt_layer_local_spec()
+        if attention == "cp.megatron":
+            spec = cp.megatron.swap_core_attention(spec)
+        wrapped = mg.build(model, spec, dict(context_parallel_size=world, cp_comm_type=comm))
+        steps[(attention, comm)] = lambda w=wrapped: mg.step(w, [batch])
+    times = time_in_turns(steps, dist.group.WORLD, opts)
+    for (attention, comm), t in times.items():
+        rows.append({"ranks": world, "attention": attention, "comm": comm or "-", "tokens": opts["seq"],
+                     "ms": median(t) * 1e3})
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return rows if rank == 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure and print both tables; the exit status is 1 when the run failed."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_megatron_face",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--worlds", default="2,4", help="numbers of gloo ranks for the face's overhead")
+    parser.add_argument("--seq", type=int, default=2048, help="tokens of the GPTModel step's sequence")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = parser.parse_args(argv)
+    opts = {"reps": args.reps, "warmup": args.warmup, "threads": args.threads, "seq": args.seq}
+    start = time.perf_counter()
+    faces: list[dict[str, Any]] = []
+    steps: list[dict[str, Any]] = []
+    try:
+        for world in (int(w) for w in args.worlds.split(",")):
+            faces += spawn_measure(_measure_face, world, opts, timeout=900, prefix="bench_megatron_face")
+        for world in sorted({ranks for ranks, _, _ in STEPS}):
+            steps += spawn_measure(_measure_step, world, opts, timeout=1800, prefix="bench_megatron_step")
+    except Exception as exc:
+        print(f"bench_megatron_face failed: {exc}", file=sys.stderr)
+        return 1
+    print(table(
+        "megatron-core's core attention face beside the engine called directly with the same plan, float32, "
+        "forward + backward",
+        ["ranks", "attention", "cp_comm_type", "global q shape", "face ms", "engine ms", "face / engine"],
+        [[r["ranks"], {"causal": "causal", "chunk": f"mask=chunk_causal({CHUNK})", "thd": "thd, padded"}[r["data"]],
+          r["comm"], "x".join(map(str, r["shape"])), f"{r['face_ms']:.2f}", f"{r['engine_ms']:.2f}",
+          f"{r['overhead']:.2f}x"] for r in faces],
+        [f"ms: median of {args.reps} repetitions in turns (slowest rank), {args.threads} thread(s) per rank; face / "
+         f"engine: the median of each round's ratio; the face's output equals the engine call's bit for bit (checked "
+         f"first)"],
+    ))
+    cp1 = next(r["ms"] for r in steps if r["ranks"] == 1 and r["attention"] == "megatron-core")
+    print(table(
+        f"megatron-core's GPTModel training step, one sequence of {args.seq} tokens, float32 (2 layers, hidden 128, "
+        f"8 heads), megatron-core's own attention at cp 1 beside cp's face",
+        ["ranks (cp)", "core attention", "cp_comm_type", "step ms", "cp 1 megatron-core / this"],
+        [[r["ranks"], r["attention"], r["comm"], f"{r['ms']:.1f}", f"{cp1 / r['ms']:.2f}x"] for r in steps],
+        [f"a step: get_batch_on_this_cp_rank, forward_backward_no_pipelining, finalize_model_grads (gradients summed "
+         f"over dp x cp); median of {args.reps} steps in turns (slowest rank), {args.threads} thread(s) per rank; "
+         f"the ranks share this machine's cores"],
+    ))
+    print(f"(bench_megatron_face took {time.perf_counter() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
