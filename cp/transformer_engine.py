@@ -554,6 +554,11 @@ class DotProductAttention(torch.nn.Module):
                              f"for padded sequences use qkv_format='thd' with cu_seqlens, for any other mask pass "
                              f"mask=cp.Mask... to the constructor")
         mask = user_mask if user_mask is not None else _window_mask(window)
+        if q.shape[s] != k.shape[s] and not (mask == cp.Mask.full() or (
+                mask == cp.Mask.causal() and user_mask is None and "bottom_right" not in mask_type)):
+            raise ValueError(f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} differ in length (cross attention): "
+                             f"here it takes attn_mask_type 'no_mask' or 'causal' (top-left) only, got "
+                             f"{mask_type!r} with window_size={window}" + ("" if user_mask is None else " and mask="))
         return mask, (q.shape[s] * cp_size, bounds, None)
 
     def _call(self, fmt: QKVFormat, mask: Any, plan_args: tuple[Any, ...], q: Any, cp_size: int, comm: CommType,

@@ -197,6 +197,16 @@ def case_thd():
                 assert not out[pad].any() and not any(t.grad[pad].any() for t in mine)
                 worst = max(worst, err)
                 done += 1
+    # A static-size batch: 3 tokens after the last sequence on every rank (TE's tail) attend nothing and are 0.
+    q, k, v, cu, padded = _thd(*packs[0], 4, 2, 7)
+    index = _dual_chunk_swap(padded.tolist(), n, me)
+    mine = [torch.cat([t[index], _data((3,) + t.shape[1:], 5)]).requires_grad_(True) for t in (q, k, v)]
+    dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="thd", attn_mask_type="padding_causal",
+                              cp_group=groups["world"])
+    out = dpa(*mine, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)
+    out.sum().backward()
+    want, _ = _reference("thd", q, k, v, _thd_allowed(cu, padded, True), dpa.softmax_scale, torch.zeros(1))
+    assert _rel(out[:-3], want[index]) <= 1e-10 and not out[-3:].any() and not any(t.grad[-3:].any() for t in mine)
     return done, worst
 
 
