@@ -147,8 +147,10 @@ class _Call:
     padding: torch.Tensor | None  # thd: True at this rank's padding tokens ([t, 1, 1]), None when there are none
 
 
-#: Calls resolved so far (key -> _Call), shared by every layer: a model's layers make the same few calls.
-_CALLS: dict[tuple[Any, ...], _Call] = {}
+#: Calls resolved so far, per cp group (group -> key -> _Call), shared by every layer: a model's layers make the
+#: same few calls. Per group, so that every rank of a group empties its table at the same call (a rank that had
+#: forgotten a call alone would run the agreement round alone).
+_CALLS: dict[Any, dict[tuple[Any, ...], _Call]] = {}
 _MAX_CALLS = 256
 #: The last ``cu_seqlens`` read to the host: the layers of one step pass the same tensors (one copy per step).
 _LAST_CU: list[Any] = []
@@ -404,18 +406,21 @@ class DotProductAttention(torch.nn.Module):
         cu = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded) if fmt == "thd" else ()
         if cu:
             cu = _cu_values(cu, ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"))
-        group = self.cp_group
+        group = tuple(self.cp_group) if isinstance(self.cp_group, list) else self.cp_group
         key = (fmt, mask_type, window, self.mask, tuple(unsupported), query_layer.shape, key_layer.shape,
                value_layer.shape, query_layer.dtype, query_layer.device, cu, self.cp_comm_type,
-               tuple(group) if isinstance(group, list) else group, self.num_gqa_groups_per_partition,
-               self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v, self.softmax_scale,
-               self.attention_type)
-        call = _CALLS.get(key)
+               self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head_k,
+               self.hidden_size_per_attention_head_v, self.softmax_scale, self.attention_type,
+               None if self.cp_global_ranks is None else len(self.cp_global_ranks))
+        calls = _CALLS.get(group)
+        if calls is None:
+            calls = _CALLS[group] = {}
+        call = calls.get(key)
         if call is None or debug.enabled():
             call = self._resolve(fmt, mask_type, window, tuple(unsupported), cu, query_layer, key_layer, value_layer)
-            if len(_CALLS) >= _MAX_CALLS:
-                _CALLS.clear()
-            _CALLS[key] = call
+            if len(calls) >= _MAX_CALLS:
+                calls.clear()
+            calls[key] = call
         q, k, v = query_layer, key_layer, value_layer
         if call.used is not None:  # thd: the tail after the last sequence attends nothing (its output is 0)
             q, k, v = q[:call.used], k[:call.used], v[:call.used]
