@@ -389,17 +389,21 @@ class DotProductAttention(torch.nn.Module):
         and the output (and every gradient) is 0 at padding tokens. ``max_seqlen_*``, ``bottom_right_diagonal`` (the
         same for self attention), ``checkpoint_core_attention`` (the backward recomputes anyway), ``fast_zero_fill``,
         ``pad_between_seqs`` and ``num_splits`` are accepted and need nothing."""
-        unsupported = [(name, value) for name, value, default in (
-            ("core_attention_bias", core_attention_bias, None), ("alibi_slopes", alibi_slopes, None),
-            ("inference_params", inference_params, None), ("score_mod", score_mod, None),
-            ("score_mod_bprop", score_mod_bprop, None), ("score_mod_tensors", score_mod_tensors, None),
-            ("score_mod_bprop_tensors", score_mod_bprop_tensors, None)) if value is not default]
-        if core_attention_bias_type != "no_bias":
-            unsupported.insert(0, ("core_attention_bias_type", core_attention_bias_type))
-        if fp8_output:
-            unsupported.append(("fp8_output", fp8_output))
-        if self.training and self.attention_dropout > 0:
-            unsupported.append(("attention_dropout", self.attention_dropout))
+        unsupported: tuple[tuple[str, Any], ...] = ()
+        if (core_attention_bias_type != "no_bias" or fp8_output or (self.training and self.attention_dropout > 0)
+                or any(x is not None for x in (core_attention_bias, alibi_slopes, inference_params, score_mod,
+                                               score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors))):
+            unsupported = tuple((name, value) for name, value, ok in (
+                ("core_attention_bias_type", core_attention_bias_type, core_attention_bias_type == "no_bias"),
+                ("core_attention_bias", core_attention_bias, core_attention_bias is None),
+                ("alibi_slopes", alibi_slopes, alibi_slopes is None),
+                ("inference_params", inference_params, inference_params is None),
+                ("score_mod", score_mod, score_mod is None), ("score_mod_bprop", score_mod_bprop, score_mod_bprop is None),
+                ("score_mod_tensors", score_mod_tensors, score_mod_tensors is None),
+                ("score_mod_bprop_tensors", score_mod_bprop_tensors, score_mod_bprop_tensors is None),
+                ("fp8_output", fp8_output, not fp8_output),
+                ("attention_dropout", self.attention_dropout, not (self.training and self.attention_dropout > 0)))
+                if not ok)
         fmt = self.qkv_format if qkv_format is None else qkv_format
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         window = self.window_size if window_size is None else window_size
@@ -407,7 +411,7 @@ class DotProductAttention(torch.nn.Module):
         if cu:
             cu = _cu_values(cu, ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"))
         group = tuple(self.cp_group) if isinstance(self.cp_group, list) else self.cp_group
-        key = (fmt, mask_type, window, self.mask, tuple(unsupported), query_layer.shape, key_layer.shape,
+        key = (fmt, mask_type, window, self.mask, unsupported, query_layer.shape, key_layer.shape,
                value_layer.shape, query_layer.dtype, query_layer.device, cu, self.cp_comm_type,
                self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head_k,
                self.hidden_size_per_attention_head_v, self.softmax_scale, self.attention_type,
@@ -417,7 +421,7 @@ class DotProductAttention(torch.nn.Module):
             calls = _CALLS[group] = {}
         call = calls.get(key)
         if call is None or debug.enabled():
-            call = self._resolve(fmt, mask_type, window, tuple(unsupported), cu, query_layer, key_layer, value_layer)
+            call = self._resolve(fmt, mask_type, window, unsupported, cu, query_layer, key_layer, value_layer)
             if len(calls) >= _MAX_CALLS:
                 calls.clear()
             calls[key] = call
