@@ -578,12 +578,12 @@ class DotProductAttention(torch.nn.Module):
         s, h, scale = fmt.seq_dim, fmt.head_dim, self.softmax_scale
         group = self.cp_group
         if cp_size > 1:
-            devices = {q.device.type}
             for g in group if isinstance(group, list) else [group]:
                 if backend_for(g, q.device.type) is None:
                     raise ValueError(f"{what}: the cp group's backend ({dist.get_backend(g)}) cannot carry tensors on "
-                                     f"{q.device.type}; move q, k and v to {'a GPU' if 'cpu' in devices else 'the CPU'}"
-                                     f" or use a group of another backend")
+                                     f"{q.device.type}; move q, k and v to "
+                                     f"{'a GPU' if q.device.type == 'cpu' else 'the CPU'} or use a group of another "
+                                     f"backend")
             if self.cp_global_ranks is not None and len(self.cp_global_ranks) != cp_size:
                 raise ValueError(f"{what}: cp_global_ranks={list(self.cp_global_ranks)} names "
                                  f"{len(self.cp_global_ranks)} ranks but the cp group has {cp_size}")
@@ -619,8 +619,8 @@ class DotProductAttention(torch.nn.Module):
         elif comm is CommType.A2A:
             def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
                 return cp.ulysses_attention(q, k, v, group, plan=plan, seq_dim=s, head_dim=h, scale=scale)
-        else:
-            a2a, ring = group if isinstance(group, list) else (group, None)
+        else:  # a2a+p2p: cp_group is [a2a group, p2p group] (set_context_parallel_group made sure)
+            a2a, ring = group
 
             def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
                 return cp.usp_attention(q, k, v, ulysses_group=a2a, ring_group=ring, plan=plan, seq_dim=s,
