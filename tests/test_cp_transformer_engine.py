@@ -6,7 +6,8 @@ shards, the global ``cu_seqlens`` / ``cu_seqlens_padded`` for thd, ``set_context
 stream, comm_type)``, ``[a2a group, p2p group]`` for a2a+p2p): forward and q, k, v gradients equal one process's
 attention under the dense mask (float64 to 1e-10, float32 to 1e-5 relative) on 2 and 4 ranks, for sbhd / bshd /
 thd, no_mask / causal / windows / padding, GQA, MLA, every comm type and CP switched off; bad inputs raise on
-every rank before any collective; the signatures equal TE's (extracted from its source by ``te_signatures.py``).
+every rank after one agreement round and before any K/V moves; the signatures equal TE's (extracted from its
+source by ``te_signatures.py``).
 """
 
 from __future__ import annotations
