@@ -172,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         print(f"bench_te_face failed: {exc}", file=sys.stderr)
         return 1
-    print(table(
+    import torch
+
+    torch.set_num_threads(args.threads)
+    face_us, sdpa_us, own_us = fixed_cost_us(args.calls)
+    overhead = table(
         "Transformer Engine's face beside the engine called directly with the same plan, float32, forward + backward",
         ["ranks", "case", "qkv_format", "attn_mask_type", "cp_comm_type", "global q shape", "face ms", "engine ms",
          "face / engine"],
@@ -180,20 +184,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{r['face_ms']:.2f}", f"{r['engine_ms']:.2f}", f"{r['overhead']:.2f}x"] for r in rows],
         [f"ms: median of {args.reps} repetitions in turns (slowest rank), {args.threads} thread(s) per rank; face / "
          f"engine: the median of each round's ratio; the face's output equals the engine call's bit for bit (checked "
-         f"first)"],
-    ))
-    import torch
-
-    torch.set_num_threads(args.threads)
-    face_us, sdpa_us, own_us = fixed_cost_us(args.calls)
-    print(table(
+         f"first)"])
+    fixed = table(
         "The face's fixed cost per call, one process (context parallelism off), forward of a tiny bshd causal call",
         ["face us / call", "torch SDPA alone us / call", "the face's own us / call"],
         [[f"{face_us:.1f}", f"{sdpa_us:.1f}", f"{own_us:.1f}"]],
         [f"q, k, v [1, 16, 4, 8] float32, {args.threads} thread(s); medians of 21 rounds of {args.calls} calls of "
-         f"each (the difference: the median of each round's)"],
-    ))
-    print(f"(bench_te_face took {time.perf_counter() - start:.0f} s)")
+         f"each (the difference: the median of each round's)"])
+    print(f"{overhead}\n{fixed}\n(bench_te_face took {time.perf_counter() - start:.0f} s)")
     return 0
 
 

@@ -147,8 +147,10 @@ class _Call:
     padding: torch.Tensor | None  # thd: True at this rank's padding tokens ([t, 1, 1]), None when there are none
 
 
-#: Calls resolved so far (key -> _Call), shared by every layer: a model's layers make the same few calls.
-_CALLS: dict[tuple[Any, ...], _Call] = {}
+#: Calls resolved so far, per cp group (group -> key -> _Call), shared by every layer: a model's layers make the
+#: same few calls. Per group, so that every rank of a group empties its table at the same call (a rank that had
+#: forgotten a call alone would run the agreement round alone).
+_CALLS: dict[Any, dict[tuple[Any, ...], _Call]] = {}
 _MAX_CALLS = 256
 #: The last ``cu_seqlens`` read to the host: the layers of one step pass the same tensors (one copy per step).
 _LAST_CU: list[Any] = []
@@ -387,35 +389,42 @@ class DotProductAttention(torch.nn.Module):
         and the output (and every gradient) is 0 at padding tokens. ``max_seqlen_*``, ``bottom_right_diagonal`` (the
         same for self attention), ``checkpoint_core_attention`` (the backward recomputes anyway), ``fast_zero_fill``,
         ``pad_between_seqs`` and ``num_splits`` are accepted and need nothing."""
-        unsupported = [(name, value) for name, value, default in (
-            ("core_attention_bias", core_attention_bias, None), ("alibi_slopes", alibi_slopes, None),
-            ("inference_params", inference_params, None), ("score_mod", score_mod, None),
-            ("score_mod_bprop", score_mod_bprop, None), ("score_mod_tensors", score_mod_tensors, None),
-            ("score_mod_bprop_tensors", score_mod_bprop_tensors, None)) if value is not default]
-        if core_attention_bias_type != "no_bias":
-            unsupported.insert(0, ("core_attention_bias_type", core_attention_bias_type))
-        if fp8_output:
-            unsupported.append(("fp8_output", fp8_output))
-        if self.training and self.attention_dropout > 0:
-            unsupported.append(("attention_dropout", self.attention_dropout))
+        unsupported: tuple[tuple[str, Any], ...] = ()
+        if (core_attention_bias_type != "no_bias" or fp8_output or (self.training and self.attention_dropout > 0)
+                or any(x is not None for x in (core_attention_bias, alibi_slopes, inference_params, score_mod,
+                                               score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors))):
+            unsupported = tuple((name, value) for name, value, ok in (
+                ("core_attention_bias_type", core_attention_bias_type, core_attention_bias_type == "no_bias"),
+                ("core_attention_bias", core_attention_bias, core_attention_bias is None),
+                ("alibi_slopes", alibi_slopes, alibi_slopes is None),
+                ("inference_params", inference_params, inference_params is None),
+                ("score_mod", score_mod, score_mod is None), ("score_mod_bprop", score_mod_bprop, score_mod_bprop is None),
+                ("score_mod_tensors", score_mod_tensors, score_mod_tensors is None),
+                ("score_mod_bprop_tensors", score_mod_bprop_tensors, score_mod_bprop_tensors is None),
+                ("fp8_output", fp8_output, not fp8_output),
+                ("attention_dropout", self.attention_dropout, not (self.training and self.attention_dropout > 0)))
+                if not ok)
         fmt = self.qkv_format if qkv_format is None else qkv_format
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         window = self.window_size if window_size is None else window_size
         cu = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded) if fmt == "thd" else ()
         if cu:
             cu = _cu_values(cu, ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"))
-        group = self.cp_group
-        key = (fmt, mask_type, window, self.mask, tuple(unsupported), query_layer.shape, key_layer.shape,
+        group = tuple(self.cp_group) if isinstance(self.cp_group, list) else self.cp_group
+        key = (fmt, mask_type, window, self.mask, unsupported, query_layer.shape, key_layer.shape,
                value_layer.shape, query_layer.dtype, query_layer.device, cu, self.cp_comm_type,
-               tuple(group) if isinstance(group, list) else group, self.num_gqa_groups_per_partition,
-               self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v, self.softmax_scale,
-               self.attention_type)
-        call = _CALLS.get(key)
+               self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head_k,
+               self.hidden_size_per_attention_head_v, self.softmax_scale, self.attention_type,
+               None if self.cp_global_ranks is None else len(self.cp_global_ranks))
+        calls = _CALLS.get(group)
+        if calls is None:
+            calls = _CALLS[group] = {}
+        call = calls.get(key)
         if call is None or debug.enabled():
-            call = self._resolve(fmt, mask_type, window, tuple(unsupported), cu, query_layer, key_layer, value_layer)
-            if len(_CALLS) >= _MAX_CALLS:
-                _CALLS.clear()
-            _CALLS[key] = call
+            call = self._resolve(fmt, mask_type, window, unsupported, cu, query_layer, key_layer, value_layer)
+            if len(calls) >= _MAX_CALLS:
+                calls.clear()
+            calls[key] = call
         q, k, v = query_layer, key_layer, value_layer
         if call.used is not None:  # thd: the tail after the last sequence attends nothing (its output is 0)
             q, k, v = q[:call.used], k[:call.used], v[:call.used]
@@ -554,6 +563,11 @@ class DotProductAttention(torch.nn.Module):
                              f"for padded sequences use qkv_format='thd' with cu_seqlens, for any other mask pass "
                              f"mask=cp.Mask... to the constructor")
         mask = user_mask if user_mask is not None else _window_mask(window)
+        if q.shape[s] != k.shape[s] and not (mask == cp.Mask.full() or (
+                mask == cp.Mask.causal() and user_mask is None and "bottom_right" not in mask_type)):
+            raise ValueError(f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} differ in length (cross attention): "
+                             f"here it takes attn_mask_type 'no_mask' or 'causal' (top-left) only, got "
+                             f"{mask_type!r} with window_size={window}" + ("" if user_mask is None else " and mask="))
         return mask, (q.shape[s] * cp_size, bounds, None)
 
     def _call(self, fmt: QKVFormat, mask: Any, plan_args: tuple[Any, ...], q: Any, cp_size: int, comm: CommType,
@@ -564,12 +578,12 @@ class DotProductAttention(torch.nn.Module):
         s, h, scale = fmt.seq_dim, fmt.head_dim, self.softmax_scale
         group = self.cp_group
         if cp_size > 1:
-            devices = {q.device.type}
             for g in group if isinstance(group, list) else [group]:
                 if backend_for(g, q.device.type) is None:
                     raise ValueError(f"{what}: the cp group's backend ({dist.get_backend(g)}) cannot carry tensors on "
-                                     f"{q.device.type}; move q, k and v to {'a GPU' if 'cpu' in devices else 'the CPU'}"
-                                     f" or use a group of another backend")
+                                     f"{q.device.type}; move q, k and v to "
+                                     f"{'a GPU' if q.device.type == 'cpu' else 'the CPU'} or use a group of another "
+                                     f"backend")
             if self.cp_global_ranks is not None and len(self.cp_global_ranks) != cp_size:
                 raise ValueError(f"{what}: cp_global_ranks={list(self.cp_global_ranks)} names "
                                  f"{len(self.cp_global_ranks)} ranks but the cp group has {cp_size}")
@@ -605,8 +619,8 @@ class DotProductAttention(torch.nn.Module):
         elif comm is CommType.A2A:
             def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
                 return cp.ulysses_attention(q, k, v, group, plan=plan, seq_dim=s, head_dim=h, scale=scale)
-        else:
-            a2a, ring = group if isinstance(group, list) else (group, None)
+        else:  # a2a+p2p: cp_group is [a2a group, p2p group] (set_context_parallel_group made sure)
+            a2a, ring = group
 
             def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
                 return cp.usp_attention(q, k, v, ulysses_group=a2a, ring_group=ring, plan=plan, seq_dim=s,

@@ -6,7 +6,8 @@ shards, the global ``cu_seqlens`` / ``cu_seqlens_padded`` for thd, ``set_context
 stream, comm_type)``, ``[a2a group, p2p group]`` for a2a+p2p): forward and q, k, v gradients equal one process's
 attention under the dense mask (float64 to 1e-10, float32 to 1e-5 relative) on 2 and 4 ranks, for sbhd / bshd /
 thd, no_mask / causal / windows / padding, GQA, MLA, every comm type and CP switched off; bad inputs raise on
-every rank before any collective; the signatures equal TE's (extracted from its source by ``te_signatures.py``).
+every rank after one agreement round and before any K/V moves; the signatures equal TE's (extracted from its
+source by ``te_signatures.py``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def _rel(got, want):
     return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()
 
 
+#: The keywords TE's CP test passes to every forward (no bias, no FP8), beside cu_seqlens.
+TE_TEST_KWARGS = {"core_attention_bias_type": "no_bias", "core_attention_bias": None, "fp8_output": False}
+
+
 def _check(fmt, dpa, q, k, v, allowed, index, tol, **kwargs):
     """dpa on this rank's tokens ``index`` (of q, k, v: the whole sequence) equals one process; the worst error."""
     s = 1 if fmt == "bshd" else 0
@@ -85,19 +90,25 @@ def _check(fmt, dpa, q, k, v, allowed, index, tol, **kwargs):
 
 
 def _groups(n):
-    """TE's test's groups: the world, and [a2a group of 2 consecutive ranks, p2p group] for a2a+p2p (4 ranks)."""
-    import datetime
-
+    """TE's CP test's groups, made as it makes them: the world for p2p, all_gather and a2a, and for a2a+p2p this
+    rank's [a2a group, p2p group] of the sub-groups (consecutive pairs, and every second rank)."""
     import torch.distributed as dist
 
-    import parallel_state as ps
+    me = dist.get_rank()
+    made, subs = [], []
+    for ranks in [range(i * 2, (i + 1) * 2) for i in range(n // 2)] + [range(i, n, 2) for i in range(2)]:
+        made.append(dist.new_group(ranks))  # every rank makes every group, as torch wants
+        if me in ranks:
+            subs.append(made[-1])
+    return {"world": dist.group.WORLD, "a2a+p2p": subs, "made": made}
 
-    out = {"world": dist.group.WORLD}
-    if n == 4:
-        ps.initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2],
-                                     timeout=datetime.timedelta(seconds=30))
-        out["a2a+p2p"] = list(ps.get_hierarchical_context_parallel_groups())
-    return out
+
+def _destroy(groups):
+    """The pool's ranks outlive a case: free the groups it made."""
+    import torch.distributed as dist
+
+    for group in groups["made"]:
+        dist.destroy_process_group(group)
 
 
 #: (qkv_format, attn_mask_type, window_size, heads, kv heads, (dk, dv), dtype): GQA, MLA, windows, both dtypes.
@@ -124,8 +135,6 @@ def case_formats():
     done, worst = [], {torch.float64: 0.0, torch.float32: 0.0}
     for c, (fmt, mask_type, window, heads, kv_heads, (dk, dv), dtype) in enumerate(SHAPED):
         for comm in COMMS:
-            if comm == "a2a+p2p" and n != 4:
-                continue
             shape = (seq, batch) if fmt == "sbhd" else (batch, seq)
             q = _data(shape + (heads, dk), 10 * c, dtype)
             k = _data(shape + (kv_heads, dk), 10 * c + 1, dtype)
@@ -134,12 +143,14 @@ def case_formats():
                                       attn_mask_type=mask_type, window_size=window)
             left, right = (None if w < 0 else w for w in dpa.window_size)
             allowed = cp.Mask.token_window(left, right).dense(seq)
-            dpa.set_context_parallel_group(groups["a2a+p2p" if comm == "a2a+p2p" else "world"], list(range(n)), None,
-                                           comm)
+            dpa.set_context_parallel_group(groups["a2a+p2p" if comm == "a2a+p2p" else "world"], range(n), None, comm)
             tol = 1e-10 if dtype == torch.float64 else 1e-5
-            err, _, _ = _check(fmt, dpa, q, k, v, allowed, _dual_chunk_swap((0, seq), n, me), tol)
+            err, _, _ = _check(fmt, dpa, q, k, v, allowed, _dual_chunk_swap((0, seq), n, me), tol, **TE_TEST_KWARGS,
+                               cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None,
+                               cu_seqlens_kv_padded=None, pad_between_seqs=None)
             worst[dtype] = max(worst[dtype], err)
             done.append((fmt, mask_type, window, comm))
+    _destroy(groups)
     return len(done), worst[torch.float64], worst[torch.float32]
 
 
@@ -183,20 +194,30 @@ def case_thd():
     for c, (lengths, rooms) in enumerate(packs):
         for mask_type in ("padding_causal", "padding"):
             for comm in COMMS:
-                if comm == "a2a+p2p" and n != 4:
-                    continue
                 q, k, v, cu, padded = _thd(lengths, rooms, 4, 2, 100 * c)
                 dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="thd", attn_mask_type=mask_type)
-                dpa.set_context_parallel_group(groups["a2a+p2p" if comm == "a2a+p2p" else "world"], list(range(n)),
-                                               None, comm)
+                dpa.set_context_parallel_group(groups["a2a+p2p" if comm == "a2a+p2p" else "world"], range(n), None,
+                                               comm)
                 allowed = _thd_allowed(cu, padded, "causal" in mask_type)
                 index = _dual_chunk_swap(padded.tolist(), n, me)
-                err, out, mine = _check("thd", dpa, q, k, v, allowed, index, 1e-10, cu_seqlens_q=cu,
-                                        cu_seqlens_kv=cu, cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)
+                err, out, mine = _check("thd", dpa, q, k, v, allowed, index, 1e-10, **TE_TEST_KWARGS, cu_seqlens_q=cu,
+                                        cu_seqlens_kv=cu, cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                                        pad_between_seqs=lengths != rooms)
                 pad = ~allowed.any(1)[index]  # this rank's padding tokens: output and every gradient exactly 0
                 assert not out[pad].any() and not any(t.grad[pad].any() for t in mine)
                 worst = max(worst, err)
                 done += 1
+    # A static-size batch: 3 tokens after the last sequence on every rank (TE's tail) attend nothing and are 0.
+    q, k, v, cu, padded = _thd(*packs[0], 4, 2, 7)
+    index = _dual_chunk_swap(padded.tolist(), n, me)
+    mine = [torch.cat([t[index], _data((3,) + t.shape[1:], 5)]).requires_grad_(True) for t in (q, k, v)]
+    dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="thd", attn_mask_type="padding_causal",
+                              cp_group=groups["world"])
+    out = dpa(*mine, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)
+    out.sum().backward()
+    want, _ = _reference("thd", q, k, v, _thd_allowed(cu, padded, True), dpa.softmax_scale, torch.zeros(1))
+    assert _rel(out[:-3], want[index]) <= 1e-10 and not out[-3:].any() and not any(t.grad[-3:].any() for t in mine)
+    _destroy(groups)
     return done, worst
 
 
@@ -401,7 +422,7 @@ def case_errors():
 def test_formats_and_comm_types_match_one_process_on_2_and_4_ranks(pools):
     for n in (2, 4):
         results = pools(n).run(case_formats, timeout=240)
-        count = len(SHAPED) * (len(COMMS) - (n == 2))
+        count = len(SHAPED) * len(COMMS)
         assert [r[0] for r in results] == [count] * n
         assert max(r[1] for r in results) <= 1e-10 and max(r[2] for r in results) <= 1e-5
 
@@ -409,7 +430,7 @@ def test_formats_and_comm_types_match_one_process_on_2_and_4_ranks(pools):
 def test_thd_padded_and_unpadded_match_one_process_with_zeros_at_padding(pools):
     for n in (2, 4):
         results = pools(n).run(case_thd, timeout=240)
-        assert [r[0] for r in results] == [3 * 2 * (len(COMMS) - (n == 2))] * n
+        assert [r[0] for r in results] == [3 * 2 * len(COMMS)] * n
         assert max(r[1] for r in results) <= 1e-10
 
 
