@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.bench_attention import join, time_in_turns
-from benchmarks.bench_te_face import _thd_bounds
+from benchmarks.faces import engine_call, face_vs_engine, thd_pack
 from benchmarks.harness import median, spawn_measure, table
 
 
@@ -72,23 +72,14 @@ def _face_row(case: Case, rank: int, world: int, opts: dict[str, Any]) -> dict[s
 
     n, scale = case.tokens, case.dim ** -0.5
     group = ps.get_context_parallel_group()
-    transport = "allgather" if case.comm == "all_gather" else "p2p"
     packed, padding, mask = None, None, None
     if case.data == "thd":
-        real, padded = _thd_bounds(n, world)
-        cu, cu_padded = (torch.tensor(b, dtype=torch.int32) for b in (real, padded))
-        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
-                                 cu_seqlens_kv_padded=cu_padded, max_seqlen_q=n, max_seqlen_kv=n)
-        lengths = [real[i + 1] - real[i] for i in range(3)]
-        segments = [p for i in range(3) for p in (lengths[i], padded[i + 1] - padded[i] - lengths[i]) if p > 0]
-        plan = cp.plan_dual_chunk_swap(cp.Mask.packed(segments, chunk=1), n, world, cu_seqlens=padded)
-        keep = torch.zeros(n, dtype=torch.bool)
-        for i in range(3):
-            keep[padded[i]:padded[i] + lengths[i]] = True
-        padding = (~keep)[plan.index(rank)].view(-1, 1, 1)
+        kwargs, plan, padding = thd_pack(n, world, rank)
+        packed = PackedSeqParams(qkv_format="thd", max_seqlen_q=n, max_seqlen_kv=n, **kwargs)
         shape = (n, case.heads, case.dim)
     else:
         mask = cp.Mask.chunk_causal(CHUNK) if case.data == "chunk" else None
+        transport = "allgather" if case.comm == "all_gather" else "p2p"
         plan = cp.plan_dual_chunk_swap(mask or cp.Mask.causal(), n, world, transport=transport)
         shape = (n, 1, case.heads, case.dim)
     config = TransformerConfig(num_layers=1, hidden_size=case.heads * case.dim, num_attention_heads=case.heads,
@@ -102,26 +93,9 @@ def _face_row(case: Case, rank: int, world: int, opts: dict[str, Any]) -> dict[s
     def by_face(q: Any, k: Any, v: Any) -> Any:  # as megatron-core's Attention.forward calls its core attention
         return face(q, k, v, None, attn_mask_type=AttnMaskType.causal, attention_bias=None, packed_seq_params=packed)
 
-    h = 1 if case.data == "thd" else 2
-
-    def by_engine(q: Any, k: Any, v: Any) -> Any:  # what the face calls, written out
-        if case.comm == "a2a":
-            out = cp.ulysses_attention(q, k, v, group, plan=plan, seq_dim=0, head_dim=h, scale=scale)
-        else:
-            out = cp.ring_attention(q, k, v, group, plan=plan, seq_dim=0, head_dim=h, softmax_scale=scale)
-        if padding is not None:
-            out = out.masked_fill(padding, 0)
-        return out.flatten(-2)
-
-    a, b = by_face(*ins), by_engine(*ins)
-    if not torch.equal(a, b):
-        raise AssertionError(f"{case}: the face and the engine call differ by {(a - b).abs().max().item()}")
-    times = time_in_turns({way: (lambda fn=fn: torch.autograd.grad(fn(*ins), ins, grad))
-                           for way, fn in (("face", by_face), ("engine", by_engine))}, group, opts)
-    ms = {k: median(v) * 1e3 for k, v in times.items()}
-    paired = median([f / e for f, e in zip(times["face"], times["engine"], strict=True)])
-    return {"ranks": world, "data": case.data, "comm": case.comm, "shape": list(shape), "face_ms": ms["face"],
-            "engine_ms": ms["engine"], "overhead": paired}
+    by_engine = engine_call(case.comm, group, plan, 0, 1 if case.data == "thd" else 2, scale, padding)
+    return {"ranks": world, "data": case.data, "comm": case.comm, "shape": list(shape),
+            **face_vs_engine(case, by_face, by_engine, ins, grad, group, opts)}
 
 
 #: The model-step rows: (ranks, attention, cp_comm_type).
