@@ -74,11 +74,13 @@ PACKS = ([5, 9], [7, 3])  # real sequence lengths of each data-parallel rank's t
 HYBRID = ([16, 16], [8, 8, 8, 8])  # the samples of the two micro-batches: over 2 ranks each, then 1 each
 
 
-def _chunk_mask(model: Model, samples: int) -> torch.Tensor:
-    """megatron-core's dense attention mask for the chunk-causal mask: [b, 1, s, s], True where masked out."""
+def _dense_mask(data: str, model: Model, samples: int) -> torch.Tensor:
+    """megatron-core's dense attention mask, [b, 1, s, s], True where masked out: causal as pretrain_gpt.py's
+    ``get_ltor_masks_and_position_ids`` makes it (the face must ignore it), or chunk-causal (for the reference)."""
     import cp
 
-    return (~cp.Mask.chunk_causal(CHUNK).dense(model.seq)).expand(samples, 1, -1, -1).contiguous()
+    mask = cp.Mask.chunk_causal(CHUNK) if data == "chunk" else cp.Mask.causal()
+    return (~mask.dense(model.seq)).expand(samples, 1, -1, -1).contiguous()
 
 
 def _model(data) -> Model:
@@ -116,9 +118,7 @@ def _workload(data, model, cp_size):
         pairs, singles = (mg.sequences(lengths, seed=20 + i) for i, lengths in enumerate(HYBRID))
         cuts = iter([mg.hybrid_slice(2), mg.hybrid_slice(1)])
         return [pairs[rank // 2], singles[rank]], lambda batch: next(cuts)(batch)
-    batch = global_batch(model, 4)
-    if data == "chunk":
-        batch["attention_mask"] = _chunk_mask(model, 4)
+    batch = dict(global_batch(model, 4), attention_mask=_dense_mask(data, model, 4))
     return dp_share(batch), mg.cp_slice
 
 
@@ -130,8 +130,8 @@ def _references():
     from benchmarks import megatron_gpt as mg
 
     spec, model = get_gpt_layer_local_spec(), Model()
-    batch = global_batch(model, 4)
-    chunked = dict(batch, attention_mask=_chunk_mask(model, 4))
+    batch = dict(global_batch(model, 4), attention_mask=_dense_mask("causal", model, 4))
+    chunked = dict(batch, attention_mask=_dense_mask("chunk", model, 4))
     thd = [seq for dp, lengths in enumerate(PACKS) for seq in mg.sequences(lengths, seed=10 + dp)]
     hybrid = [seq for i, lengths in enumerate(HYBRID) for seq in mg.sequences(lengths, seed=20 + i)]
     # every rank runs all of it: the gradients' all-reduce over dp 4 then averages four equal copies
@@ -197,6 +197,25 @@ def _layer_checks():
     return out
 
 
+def _global_state_checks(topology):
+    """The face built without ``pg_collection`` takes megatron-core's global groups (and none when the config
+    turns context parallelism off); what it holds, per topology."""
+    import megatron.core.parallel_state as mps
+    from megatron.core.transformer.enums import AttnMaskType
+
+    import cp.megatron
+    from benchmarks import megatron_gpt as mg
+
+    _, parallel = TOPOLOGIES[topology]
+    comm = "a2a+p2p" if "hcp" in topology else None
+    core = cp.megatron.DotProductAttention(mg.build_config(Model(), **parallel), 1, AttnMaskType.causal, "self",
+                                           cp_comm_type=comm)
+    off = cp.megatron.DotProductAttention(mg.build_config(Model()), 1, AttnMaskType.causal, "self")
+    want = list(mps.get_hierarchical_context_parallel_groups()) if comm else mps.get_context_parallel_group()
+    return {"groups": core.cp_group == want and core.tp_group is mps.get_tensor_model_parallel_group(),
+            "comm": core.cp_comm_type, "off": off.cp_group is None}
+
+
 def case_gpt(cases, errors):
     """The references, then every case and every error case by topology; per case its differences from the
     reference (or the error it raised)."""
@@ -224,6 +243,8 @@ def case_gpt(cases, errors):
                                     calls=got["calls"])
             if topology == "cp2-dp2":
                 out["layer"] = _layer_checks()
+            if topology in ("cp2-dp2", "cp4-hcp2x2"):
+                out[f"global state {topology}"] = _global_state_checks(topology)
         finally:
             ps.destroy_model_parallel()
     return {"release": release(), "cases": out, "failed": failed}
@@ -283,6 +304,12 @@ def test_errors_are_raised_on_every_rank_before_communication(results, name):
     for rank, r in enumerate(results):
         text = r["failed"].get((topology, str(comm), data))
         assert text is not None and text.startswith("ValueError") and message in text, (rank, text)
+
+
+def test_without_pg_collection_the_groups_are_megatron_cores_global_state(results):
+    for rank, r in enumerate(results):
+        assert r["cases"]["global state cp2-dp2"] == {"groups": True, "comm": "p2p", "off": True}, rank
+        assert r["cases"]["global state cp4-hcp2x2"] == {"groups": True, "comm": "a2a+p2p", "off": True}, rank
 
 
 def test_local_cp_size_one_turns_context_parallelism_off_for_that_call(results):
