@@ -6,7 +6,8 @@
    (``cp.plan_dual_chunk_swap``: megatron-core's ``get_batch_on_this_cp_rank`` layout) and the same output handling.
    Timed in turns after a barrier, the slowest rank's time, median over repetitions; overhead = the median over
    rounds of face / engine in the same round. Cases: causal over p2p, all_gather and a2a, a chunk-causal ``mask=``,
-   and a padded thd pack (``packed_seq_params``).
+   and a padded thd pack (``packed_seq_params``). Beside it, what the face adds per call to the Transformer
+   Engine face it subclasses, in one process.
 2. megatron-core's training step (benchmarks/megatron_gpt.py: ``get_batch_on_this_cp_rank``, the schedule of
    ``get_forward_backward_func()``, ``finalize_model_grads``) of one GPTModel from ``get_gpt_layer_local_spec()``
    on one sequence: at cp 1 with megatron-core's own attention (the peer) and with the face, at cp 2 and cp 4
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.bench_attention import join, time_in_turns
-from benchmarks.faces import engine_call, face_vs_engine, thd_pack
+from benchmarks.faces import engine_call, face_vs_engine, per_call_us, thd_pack
 from benchmarks.harness import median, spawn_measure, table
 
 
@@ -98,6 +99,30 @@ def _face_row(case: Case, rank: int, world: int, opts: dict[str, Any]) -> dict[s
             **face_vs_engine(case, by_face, by_engine, ins, grad, group, opts)}
 
 
+def own_cost_us(calls: int) -> tuple[float, float, float]:
+    """What this face adds per call to the Transformer Engine face it subclasses, in one process: microseconds
+    per forward of each, context parallelism off, on a tiny sbhd causal call as megatron-core's attention layer
+    makes it, and the median over rounds of their difference."""
+    import warnings
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    import cp.megatron
+    from cp.transformer_engine import DotProductAttention
+
+    warnings.simplefilter("ignore")
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, attention_dropout=0.0)
+    face = cp.megatron.DotProductAttention(config, 1, AttnMaskType.causal, "self",
+                                           pg_collection=SimpleNamespace(tp=None, cp=None, hcp=None))
+    te = DotProductAttention(4, 8, qkv_format="sbhd", attn_mask_type="causal")
+    q, k, v = (torch.randn(16, 1, 4, 8) for _ in range(3))
+    return per_call_us(lambda: face(q, k, v, None, attn_mask_type=AttnMaskType.causal, attention_bias=None,
+                                    packed_seq_params=None), lambda: te(q, k, v), calls)
+
+
 #: The model-step rows: (ranks, attention, cp_comm_type).
 STEPS = [(1, "megatron-core", None), (1, "cp.megatron", None), (2, "cp.megatron", "p2p"), (2, "cp.megatron", "a2a"),
          (4, "cp.megatron", "p2p"), (4, "cp.megatron", "a2a")]
@@ -147,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", default="2,4", help="numbers of gloo ranks for the face's overhead")
     parser.add_argument("--seq", type=int, default=2048, help="tokens of the GPTModel step's sequence")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--calls", type=int, default=500, help="calls per round of the own-cost measurement")
     args = parser.parse_args(argv)
     opts = {"reps": args.reps, "warmup": args.warmup, "threads": args.threads, "seq": args.seq}
     start = time.perf_counter()
@@ -170,6 +196,17 @@ def main(argv: list[str] | None = None) -> int:
         [f"ms: median of {args.reps} repetitions in turns (slowest rank), {args.threads} thread(s) per rank; face / "
          f"engine: the median of each round's ratio; the face's output equals the engine call's bit for bit (checked "
          f"first)"],
+    ))
+    import torch
+
+    torch.set_num_threads(args.threads)
+    face_us, te_us, own_us = own_cost_us(args.calls)
+    print(table(
+        "What megatron-core's face adds per call to Transformer Engine's face, one process (context parallelism off)",
+        ["megatron face us / call", "TE face us / call", "the megatron face's own us / call"],
+        [[f"{face_us:.1f}", f"{te_us:.1f}", f"{own_us:.1f}"]],
+        [f"q, k, v [16, 1, 4, 8] float32, causal, {args.threads} thread(s); medians of 21 rounds of {args.calls} calls "
+         f"of each (the difference: the median of each round's)"],
     ))
     cp1 = next(r["ms"] for r in steps if r["ranks"] == 1 and r["attention"] == "megatron-core")
     print(table(

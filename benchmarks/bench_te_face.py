@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.bench_attention import join
-from benchmarks.faces import engine_call, face_vs_engine, thd_pack
-from benchmarks.harness import median, spawn_measure, table
+from benchmarks.faces import engine_call, face_vs_engine, per_call_us, thd_pack
+from benchmarks.harness import spawn_measure, table
 
 
 @dataclass(frozen=True)
@@ -110,15 +110,7 @@ def fixed_cost_us(calls: int) -> tuple[float, float, float]:
         return cp.sdpa_in_layout(q, k, v, seq_dim=1, head_dim=2, is_causal=True, scale=scale,
                                  enable_gqa=False).flatten(-2)
 
-    runs: dict[str, list[float]] = {"face": [], "sdpa": []}
-    for rnd in range(21):  # both in every round, in alternating order: they share the round's load
-        ways = [("face", lambda: face(q, k, v)), ("sdpa", sdpa)]
-        for name, fn in ways[rnd % 2:] + ways[:rnd % 2]:
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            runs[name].append((time.perf_counter() - start) / calls * 1e6)
-    return median(runs["face"]), median(runs["sdpa"]), median([f - s for f, s in zip(*runs.values(), strict=True)])
+    return per_call_us(lambda: face(q, k, v), sdpa, calls)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
 """What the face benchmarks share (bench_te_face, bench_megatron_face): a padded thd pack, the engine call a face
-makes written out by hand, and the face timed in turns beside it."""
+makes written out by hand, the face timed in turns beside it, and a face's own cost per call in one process."""
 
 from __future__ import annotations
 
@@ -71,3 +71,21 @@ def face_vs_engine(what: Any, by_face: Callable, by_engine: Callable, ins: list[
                            for way, fn in (("face", by_face), ("engine", by_engine))}, group, opts)
     return {"face_ms": median(times["face"]) * 1e3, "engine_ms": median(times["engine"]) * 1e3,
             "overhead": median([f / e for f, e in zip(times["face"], times["engine"], strict=True)])}
+
+
+def per_call_us(face: Callable[[], Any], peer: Callable[[], Any], calls: int) -> tuple[float, float, float]:
+    """Microseconds per call of ``face`` and of ``peer`` in this process, and the median over rounds of their
+    difference: 21 rounds of ``calls`` calls of each, both in every round in alternating order, so both share
+    each round's load."""
+    import time
+
+    runs: dict[str, list[float]] = {"face": [], "peer": []}
+    ways = [("face", face), ("peer", peer)]
+    for rnd in range(21):
+        for name, fn in ways[rnd % 2:] + ways[:rnd % 2]:
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            runs[name].append((time.perf_counter() - start) / calls * 1e6)
+    return (median(runs["face"]), median(runs["peer"]),
+            median([f - p for f, p in zip(runs["face"], runs["peer"], strict=True)]))
