@@ -159,6 +159,7 @@ from parallel_state.topology.cp_plan import ContextParallelPlan, plan_context_pa
 from parallel_state.topology.dispatch_cost import AttentionShape, CostRates  # noqa: F401
 from parallel_state.topology.dispatch_plan import DispatchPlan, plan_dispatch  # noqa: F401
 from parallel_state.topology.init_arguments import InitArguments  # noqa: F401
+from parallel_state.topology.sample_plan import Placement, SamplePlan, plan_samples  # noqa: F401
 from parallel_state.topology.plan import (  # noqa: F401
     DEFAULT_ORDER,
     TopologyPlan,
