@@ -242,18 +242,23 @@ def make_block(dim: int, heads: int, dtype: Any, seed: int = 0) -> Any:
     return block.to(dtype)
 
 
+def block_out(block: Any, xs: Any, attend: Callable[[Any, Any, Any], Any]) -> Any:
+    """The block on tokens ``xs`` [1, S, dim], with ``attend(q, k, v)`` ([1, S, heads, head dim]) as its attention."""
+    import torch
+
+    s, dim = xs.shape[1], xs.shape[2]
+    q, k, v = block["qkv"](xs).view(1, s, 3, block.heads, dim // block.heads).unbind(2)
+    h = xs + block["out"](attend(q, k, v).reshape(1, s, dim))
+    return h + block["down"](torch.nn.functional.gelu(block["up"](h)))
+
+
 def block_loss(block: Any, x: Any, target: Any, group: Any, plan: Any) -> Any:
     """This rank's tokens of one sample (``plan``'s, on ``group``) through the block; the squared error summed
     over them. ``x``, ``target``: the whole sample, [1, L, dim], as every rank of its group loads it."""
-    import torch
-
     import cp
 
     xs, ts = cp.dispatch(x, plan, 1, group), cp.dispatch(target, plan, 1, group)
-    s, dim = xs.shape[1], xs.shape[2]
-    q, k, v = block["qkv"](xs).view(1, s, 3, block.heads, dim // block.heads).unbind(2)
-    h = xs + block["out"](cp.ring_attention(q, k, v, group, plan=plan).reshape(1, s, dim))
-    y = h + block["down"](torch.nn.functional.gelu(block["up"](h)))
+    y = block_out(block, xs, lambda q, k, v: cp.ring_attention(q, k, v, group, plan=plan))
     return ((y - ts) ** 2).sum()
 
 

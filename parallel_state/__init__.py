@@ -159,7 +159,6 @@ from parallel_state.topology.cp_plan import ContextParallelPlan, plan_context_pa
 from parallel_state.topology.dispatch_cost import AttentionShape, CostRates  # noqa: F401
 from parallel_state.topology.dispatch_plan import DispatchPlan, plan_dispatch  # noqa: F401
 from parallel_state.topology.init_arguments import InitArguments  # noqa: F401
-from parallel_state.topology.sample_plan import Placement, SamplePlan, plan_samples  # noqa: F401
 from parallel_state.topology.plan import (  # noqa: F401
     DEFAULT_ORDER,
     TopologyPlan,
@@ -168,6 +167,7 @@ from parallel_state.topology.plan import (  # noqa: F401
 )
 from parallel_state.topology.rank_generator import RankGenerator, generate_masked_orthogonal_rank_groups  # noqa: F401
 from parallel_state.topology.releases import in_use as megatron_release  # noqa: F401
+from parallel_state.topology.sample_plan import Placement, SamplePlan, plan_samples  # noqa: F401
 
 
 def __getattr__(name: str) -> object:
