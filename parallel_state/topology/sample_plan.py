@@ -41,7 +41,7 @@ from typing import Any, NamedTuple, Sequence
 from parallel_state.errors import ParallelStateTypeError, ParallelStateValueError
 from parallel_state.topology import sample_packing
 from parallel_state.topology.attention_mask import AttentionMask, as_int
-from parallel_state.topology.dispatch_cost import AttentionShape, CostRates
+from parallel_state.topology.dispatch_cost import AttentionShape, CostRates, checked
 from parallel_state.topology.dispatch_plan import DispatchPlan, plan_dispatch
 from parallel_state.topology.kinds import hybrid_sizes
 
@@ -105,7 +105,10 @@ class SamplePlan:
             raise ParallelStateValueError(f"{what}: {len(self.lengths)} lengths but {len(self.masks)} masks")
         seen: dict[int, int] = {}
         for s, step in enumerate(self.steps):
-            for k, p in enumerate(step):
+            # The groups nest, so "an earlier placement sharing a rank holds all of this one's ranks" is "no
+            # earlier placement on any of its ranks is smaller": per rank, the smallest placement so far.
+            smallest: dict[int, Placement] = {}
+            for p in step:
                 if not 0 <= p.sample < len(self.lengths):
                     raise ParallelStateValueError(f"{what}: step {s} places sample {p.sample}, but the batch has "
                                                   f"{len(self.lengths)} samples")
@@ -120,13 +123,15 @@ class SamplePlan:
                 if len(p.ranks) > self.lengths[p.sample]:
                     raise ParallelStateValueError(f"{what}: sample {p.sample} has {self.lengths[p.sample]} tokens, "
                                                   f"fewer than its {len(p.ranks)} ranks")
-                mine = set(p.ranks)
-                for q in step[:k]:
-                    if mine & set(q.ranks) and not mine <= set(q.ranks):
-                        raise ParallelStateValueError(
-                            f"{what}: in step {s}, sample {q.sample} on ranks {q.ranks} runs before sample {p.sample} "
-                            f"on ranks {p.ranks}, so ranks {sorted(mine - set(q.ranks))} would wait for it; list "
-                            f"larger groups first")
+                q = min((smallest[r] for r in p.ranks if r in smallest), key=lambda q: len(q.ranks), default=None)
+                if q is not None and len(q.ranks) < len(p.ranks):
+                    raise ParallelStateValueError(
+                        f"{what}: in step {s}, sample {q.sample} on ranks {q.ranks} runs before sample {p.sample} "
+                        f"on ranks {p.ranks}, so ranks {sorted(set(p.ranks) - set(q.ranks))} would wait for it; "
+                        f"list larger groups first")
+                for r in p.ranks:
+                    if r not in smallest or len(smallest[r].ranks) > len(p.ranks):
+                        smallest[r] = p
         missing = [i for i in range(len(self.lengths)) if i not in seen]
         if missing:
             raise ParallelStateValueError(f"{what}: samples {missing} are not placed; place every sample exactly once")
@@ -195,17 +200,17 @@ class SamplePlan:
                 f"{len(self.steps)} step{'s' * (len(self.steps) != 1)}: {used}; predicted {self.predicted_ms:.4g} ms")
 
     def _sample(self, sample: Any) -> int:
-        i = as_int("SamplePlan", "sample", sample)
-        if not 0 <= i < len(self.lengths):
-            raise ParallelStateValueError(f"SamplePlan: sample {i} is out of range for a batch of {len(self.lengths)}")
-        return i
+        return self._index("sample", sample, len(self.lengths), f"a batch of {len(self.lengths)} samples")
 
     def _rank(self, rank: Any) -> int:
-        r = as_int("SamplePlan", "rank", rank)
-        if not 0 <= r < self.world:
-            raise ParallelStateValueError(f"SamplePlan: rank {r} is out of range for {self.world} dp x cp ranks "
-                                          f"(positions 0..{self.world - 1})")
-        return r
+        return self._index("rank", rank, self.world, f"{self.world} dp x cp ranks")
+
+    @staticmethod
+    def _index(name: str, value: Any, count: int, of: str) -> int:
+        i = as_int("SamplePlan", name, value)
+        if not 0 <= i < count:
+            raise ParallelStateValueError(f"SamplePlan: {name} {i} is out of range for {of} (0..{count - 1})")
+        return i
 
 
 def _masks(what: str, mask: Any, lengths: tuple[int, ...]) -> tuple[AttentionMask, ...]:
@@ -258,14 +263,7 @@ def plan_samples(lengths: Sequence[int], world: int, *, mask: Any = None, shape:
     if world < 1:
         raise ParallelStateValueError(f"{what}: world={world} must be >= 1 (the dp x cp ranks)")
     masks = _masks(what, mask, lengths)
-    rates = CostRates() if rates is None else rates
-    if not isinstance(rates, CostRates):
-        raise ParallelStateTypeError(f"{what}: rates must be a CostRates (or None: a GPU node's defaults), got "
-                                     f"{type(rates).__name__}; cp.measure_rates(group) measures a group's")
-    shape = AttentionShape() if shape is None else shape
-    if not isinstance(shape, AttentionShape):
-        raise ParallelStateTypeError(f"{what}: shape must be an AttentionShape (or None: the default), got "
-                                     f"{type(shape).__name__}")
+    rates, shape = checked(what, rates, shape)
     cap = None if max_tokens_per_rank is None else as_int(what, "max_tokens_per_rank", max_tokens_per_rank)
     if cap is not None and cap < 1:
         raise ParallelStateValueError(f"{what}: max_tokens_per_rank={cap} must be >= 1 (or None: no limit)")
