@@ -130,13 +130,16 @@ class Packing:
         return False
 
 
-def allot(target: float, allowed: Sequence[Sequence[int]], cost: Cost, best: Callable[[int], int]) -> tuple[int, ...]:
-    """Each sample's smallest allowed size whose cost is at most ``target``, else its fastest (``best``)."""
-    out = []
+def allot(target: float, allowed: Sequence[Sequence[int]], cost: Cost, best: Callable[[int], int],
+          kinds: Sequence[Hashable]) -> tuple[int, ...]:
+    """Each sample's smallest allowed size whose cost is at most ``target``, else its fastest (``best``); once per
+    kind of sample."""
+    chosen: dict[Hashable, int] = {}
     for i, sizes in enumerate(allowed):
-        c = next((c for c in sizes if cost(i, c) <= target), None)
-        out.append(best(i) if c is None else c)
-    return tuple(out)
+        if kinds[i] not in chosen:
+            c = next((c for c in sizes if cost(i, c) <= target), None)
+            chosen[kinds[i]] = best(i) if c is None else c
+    return tuple(chosen[k] for k in kinds)
 
 
 def search(world: int, allowed: Sequence[Sequence[int]], cost: Cost, kinds: Sequence[Hashable],
@@ -165,7 +168,7 @@ def search(world: int, allowed: Sequence[Sequence[int]], cost: Cost, kinds: Sequ
     high = max(cost(i, c) for i, c in enumerate(smallest))
     bottom = max(cost(i, best(i)) for i in anchors) / SHARE
     targets = [bottom * (high / bottom) ** (k / SWEEP) for k in range(SWEEP + 1)] if high > bottom > 0 else [high]
-    ranked = sorted({smallest, *(allot(t, allowed, cost, best) for t in targets)}, key=lambda a: (pack(a).top, a))
+    ranked = sorted({smallest, *(allot(t, allowed, cost, best, kinds) for t in targets)}, key=lambda a: (pack(a).top, a))
     winner = pack(ranked[0])
     tried = len(packed)
     for sizes in ranked[:STARTS]:

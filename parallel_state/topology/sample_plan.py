@@ -283,15 +283,21 @@ def plan_samples(lengths: Sequence[int], world: int, *, mask: Any = None, shape:
 
 def _plan(lengths: tuple[int, ...], world: int, masks: tuple[AttentionMask, ...], rates: CostRates,
           shape: AttentionShape, cap: int | None, allowed: tuple[tuple[int, ...], ...]) -> SamplePlan:
+    ids: dict[tuple[AttentionMask, int], int] = {}
+    kinds = [ids.setdefault(key, len(ids)) for key in zip(masks, lengths, strict=True)]  # equal samples, one id
+    memo: dict[tuple[int, int], float] = {}  # per kind and size: a lookup of two ints
+
     def cost(i: int, c: int) -> float:
-        return placement_ms(masks[i], lengths[i], c, rates, shape)
+        key = (kinds[i], c)
+        if key not in memo:
+            memo[key] = placement_ms(masks[i], lengths[i], c, rates, shape)
+        return memo[key]
 
     longest: dict[AttentionMask, int] = {}  # per mask, its longest sample: their best times bound the step
     for i, length in enumerate(lengths):
         if length > lengths[longest.setdefault(masks[i], i)]:
             longest[masks[i]] = i
-    best, tried, bottom, high = sample_packing.search(world, allowed, cost, list(zip(masks, lengths, strict=True)),
-                                                      list(longest.values()))
+    best, tried, bottom, high = sample_packing.search(world, allowed, cost, kinds, list(longest.values()))
     n = len(lengths)
     order = sorted(range(n), key=lambda i: (-best.allot[i], best.start[i], -best.ms[i], i))
     count: dict[int, int] = {}
