@@ -23,7 +23,7 @@ all-reduce) of a variable-length batch, by its plan (``cp.run_samples``; rates f
 and with every sample on all 4 ranks (``cp.plan_dispatch(mask, L, 4)``), the same model and data; both
 checked to give the same loss and gradients first.
 
-``python -m benchmarks.bench_samples [--worlds 8,16,64] [--reps N] [--no-measure]``
+``python -m benchmarks.bench_samples [--worlds 8,16,64] [--reps N] [--frames 24,48] [--no-measure] [--no-predict]``
 """
 
 from __future__ import annotations
@@ -226,8 +226,9 @@ def print_predicted(worlds: Sequence[int]) -> None:
 
 # --- the measured step ---------------------------------------------------------------------------------------
 
-#: The measured batch: latent frames of 24 tokens (a small latent), 8 heads of 16, MLP 4x, float32.
-STEP_FRAME, STEP_HEADS, STEP_DIM = 24, 8, 16
+#: The measured batches: the clips batch's durations with latent frames of these many tokens (small latents),
+#: 8 heads of 16, MLP 4x, float32.
+STEP_FRAMES, STEP_HEADS, STEP_DIM = (24, 48), 8, 16
 
 
 def make_block(dim: int, heads: int, dtype: Any, seed: int = 0) -> Any:
@@ -277,15 +278,28 @@ def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[st
 
     import cp
     import parallel_state as ps
-    from benchmarks.bench_attention import time_in_turns
 
     torch.set_num_threads(opts["threads"])
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     ps.initialize_model_parallel(context_parallel_size=world, hybrid_context_parallel=True)
     group = ps.get_data_parallel_group(with_context_parallel=True)
-    lengths, masks = batch("clips", world, budget=opts["budget"], frame_tokens=STEP_FRAME)
     rates = cp.measure_rates(group, heads=STEP_HEADS, head_dim=STEP_DIM, dtype=torch.float32)
+    rows = [_step_row(rank, world, group, rates, frame, opts) for frame in opts["frames"]]
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return None if rank else {"rates": rates.describe(), "rows": rows}
+
+
+def _step_row(rank: int, world: int, group: Any, rates: Any, frame: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """One batch (latent frames of ``frame`` tokens): both plans checked against each other, then timed in turns."""
+    import torch
+
+    import cp
+    import parallel_state as ps
+    from benchmarks.bench_attention import time_in_turns
+
+    lengths, masks = batch("clips", world, budget=opts["budget"], frame_tokens=frame)
     shape = cp.AttentionShape(heads=STEP_HEADS, head_dim=STEP_DIM, dtype="float32")
     ours = cp.plan_samples(lengths, group, mask=masks, rates=rates, shape=shape)
     fixed = ps.SamplePlan(lengths=tuple(lengths), world=world, masks=tuple(masks), rates=rates, shape=shape,
@@ -306,14 +320,9 @@ def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> dict[st
     if abs(a - b) > 1e-4 * abs(b) or worst > 1e-3:
         raise AssertionError(f"the two plans disagree: loss {a} vs {b}, gradients max rel diff {worst:.3g}")
     times = time_in_turns({"ours": lambda: step(ours), "fixed": lambda: step(fixed)}, group, opts)
-    fixed_pred = fixed_ms(lengths, masks, world, rates, shape)
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
-    if rank:
-        return None
-    return {"lengths": lengths, "rates": rates.describe(), "plan": ours.describe(),
+    return {"frame": frame, "lengths": lengths, "plan": ours.describe(),
             "ours": statistics.median(times["ours"]) * 1e3, "fixed": statistics.median(times["fixed"]) * 1e3,
-            "ours_pred": ours.predicted_ms, "fixed_pred": fixed_pred}
+            "ours_pred": ours.predicted_ms, "fixed_pred": fixed_ms(lengths, masks, world, rates, shape)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (measured step)")
-    parser.add_argument("--budget", type=int, default=1200, help="tokens per rank of the measured batch")
+    parser.add_argument("--budget", type=int, default=1200, help="tokens per rank of the measured batches")
+    parser.add_argument("--frames", default=",".join(map(str, STEP_FRAMES)),
+                        help="tokens per latent frame of each measured batch")
     parser.add_argument("--no-measure", action="store_true", help="the predicted table only")
     parser.add_argument("--no-predict", action="store_true", help="the measured table only")
     args = parser.parse_args(argv)
@@ -331,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         print_predicted([int(w) for w in args.worlds.split(",")])
     if args.no_measure:
         return 0
-    opts = {"reps": args.reps, "warmup": args.warmup, "threads": args.threads, "budget": args.budget}
+    opts = {"reps": args.reps, "warmup": args.warmup, "threads": args.threads, "budget": args.budget,
+            "frames": [int(f) for f in args.frames.split(",")]}
     try:
         r = spawn_measure(_measure, 4, opts, timeout=1800, prefix="bench_samples")
     except Exception as exc:
@@ -340,12 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     print(table(
         "one training step (attention + MLP, forward and backward, gradient all-reduce) on 4 gloo ranks: "
         "by its sample plan vs every sample on all 4 ranks",
-        ["batch (tokens per sample)", "our plan", "ours ms", "fixed cp=4 ms", "ours vs fixed", "predicted ours / fixed"],
-        [[" ".join(map(str, r["lengths"])), r["plan"], f"{r['ours']:.0f}", f"{r['fixed']:.0f}",
-          f"{r['fixed'] / r['ours']:.2f}x", f"{r['ours_pred']:.0f} / {r['fixed_pred']:.0f}"]],
-        [f"clips of {STEP_FRAME} tokens per latent frame (the clips batch's durations), {STEP_HEADS} heads of "
-         f"{STEP_DIM}, MLP 4x, float32; median of {args.reps} steps each, in turns (slowest rank); both plans give the "
-         f"same loss and gradients before timing; rates measured on the group: {r['rates']}"]))
+        ["tokens per frame", "batch (tokens per sample)", "our plan", "ours ms", "fixed cp=4 ms", "ours vs fixed",
+         "predicted ours / fixed"],
+        [[row["frame"], " ".join(map(str, row["lengths"])), row["plan"], f"{row['ours']:.0f}", f"{row['fixed']:.0f}",
+          f"{row['fixed'] / row['ours']:.2f}x", f"{row['ours_pred']:.0f} / {row['fixed_pred']:.0f}"]
+         for row in r["rows"]],
+        [f"the clips batch's durations (about {args.budget} tokens per rank), {STEP_HEADS} heads of {STEP_DIM}, MLP "
+         f"4x, float32; median of {args.reps} steps each, in turns (slowest rank); both plans give the same loss and "
+         f"gradients before timing; rates measured on the group: {r['rates']}"]))
     return 0
 
 
