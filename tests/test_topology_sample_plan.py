@@ -119,6 +119,8 @@ def test_a_hand_built_plan_is_checked():
 
     two_steps = plan(((ps.Placement(0, (0, 1, 2, 3)), ps.Placement(1, (2, 3))), (ps.Placement(2, (1,)),)))
     assert two_steps.placements_for(1) == ((ps.Placement(0, (0, 1, 2, 3)),), (ps.Placement(2, (1,)),))
+    assert two_steps.predicted_ms == pytest.approx(recomputed(two_steps), rel=1e-12)  # priced on construction
+    assert two_steps.costs[1] == plan_dispatch(Mask.full(), 8, 2).predicted_ms
     assert two_steps.samples_for(3) == (0, 1) and two_steps.step_of(2) == 1 and two_steps.total_tokens == 24
     cases = [
         (((ps.Placement(0, (0, 1)), ps.Placement(0, (2, 3)), ps.Placement(1, (0,)), ps.Placement(2, (1,))),),

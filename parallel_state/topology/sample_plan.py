@@ -80,7 +80,8 @@ class SamplePlan:
     ``steps``: micro-steps, each a tuple of ``Placement(sample, ranks)`` in the order the ranks run them
     (larger groups first); every sample is placed exactly once. ``lengths``, ``masks``: each sample's
     tokens and mask; ``world``: the dp x cp ranks. Equal by value (the batch, the placements, the rates
-    and shape they were priced with); ``predicted_ms``, ``costs`` and ``why`` record the pricing.
+    and shape they were priced with); ``predicted_ms``, ``costs`` and ``why`` record the pricing (a plan
+    built by hand, without ``costs``, is priced on construction).
     """
 
     lengths: tuple[int, ...]
@@ -90,9 +91,9 @@ class SamplePlan:
     rates: CostRates = field(default_factory=CostRates)
     shape: AttentionShape = field(default_factory=AttentionShape)
     max_tokens_per_rank: int | None = None
-    #: Each sample's cost on its group (``placement_ms``), in ms.
+    #: Each sample's cost on its group (``placement_ms``), in ms; priced on construction when left out.
     costs: tuple[float, ...] = field(default=(), compare=False)
-    #: The sum over steps of each step's busiest rank's sum of costs, in ms.
+    #: The sum over steps of each step's busiest rank's sum of costs, in ms (computed with ``costs``).
     predicted_ms: float = field(default=0.0, compare=False)
     #: One sentence: what the plan is and what it was weighed against.
     why: str = field(default="", compare=False)
@@ -135,6 +136,15 @@ class SamplePlan:
         missing = [i for i in range(len(self.lengths)) if i not in seen]
         if missing:
             raise ParallelStateValueError(f"{what}: samples {missing} are not placed; place every sample exactly once")
+        if not self.costs:  # a plan built by hand is priced here, by the same model
+            where = self._where
+            object.__setattr__(self, "costs", tuple(
+                placement_ms(m, length, len(where[i][1].ranks), self.rates, self.shape)
+                for i, (m, length) in enumerate(zip(self.masks, self.lengths, strict=True))))
+            object.__setattr__(self, "predicted_ms", sum(max(load) for load in self.rank_ms()))
+        elif len(self.costs) != len(self.lengths):
+            raise ParallelStateValueError(f"{what}: {len(self.costs)} costs for {len(self.lengths)} samples; leave "
+                                          f"costs out to have them priced")
 
     @functools.cached_property
     def _where(self) -> dict[int, tuple[int, Placement]]:
