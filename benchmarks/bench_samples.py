@@ -179,6 +179,7 @@ def megatron_best(lengths: Sequence[int], masks: Sequence[Any], world: int, rate
 def predicted_rows(worlds: Sequence[int]) -> tuple[list[list[Any]], dict[str, float]]:
     """The predicted table's rows, and the worst ratios that the issue's bar reads."""
     import cp
+    from parallel_state.topology import dispatch_plan
     from parallel_state.topology.sample_plan import placement_ms
 
     rows: list[list[Any]] = []
@@ -186,7 +187,8 @@ def predicted_rows(worlds: Sequence[int]) -> tuple[list[list[Any]], dict[str, fl
     for world in worlds:
         for kind in BATCHES:
             lengths, masks = batch(kind, world)
-            placement_ms.cache_clear()  # cold: every cost priced afresh
+            for cache in (placement_ms, dispatch_plan._plan, dispatch_plan._layouts):
+                cache.cache_clear()  # cold: every cost priced afresh, no dispatch plan of an earlier batch kept
             start = time.perf_counter()
             plan = cp.plan_samples(lengths, world, mask=masks)
             cold = time.perf_counter() - start
