@@ -17,7 +17,7 @@ tensor crosses ranks to place a sample.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,9 @@ class SampleGroup(NamedTuple):
     group: Any
 
 
-def plan_samples(lengths: Any, world: Any, *, mask: Any = None, shape: Any = None, rates: Any = None,
-                 max_tokens_per_rank: int | None = None) -> Any:
+def plan_samples(lengths: Sequence[int], world: int | dist.ProcessGroup, *, mask: Any = None,
+                 shape: parallel_state.AttentionShape | None = None, rates: parallel_state.CostRates | None = None,
+                 max_tokens_per_rank: int | None = None) -> parallel_state.SamplePlan:
     """``parallel_state.plan_samples`` with ``world`` the dp x cp ranks as a process group or as their number
     (the same plan either way): which group of those ranks runs each sample of the batch ``lengths``."""
     if isinstance(world, dist.ProcessGroup):
@@ -68,7 +69,7 @@ def _group(what: str, c: int, want: list[int]) -> Any:
     return group
 
 
-def sample_groups(plan: Any) -> tuple[tuple[SampleGroup, ...], ...]:
+def sample_groups(plan: parallel_state.SamplePlan) -> tuple[tuple[SampleGroup, ...], ...]:
     """Per step of ``plan`` (a ``cp.SamplePlan``), the samples this rank runs, in order, each with its group.
 
     Every rank of the dp x cp group must call it with the same plan: one small gather checks that they do
@@ -112,8 +113,8 @@ def sample_groups(plan: Any) -> tuple[tuple[SampleGroup, ...], ...]:
     return tuple(steps)
 
 
-def run_samples(plan: Any, loss_fn: Callable[[int, Any, Any], torch.Tensor], parameters: Iterable[torch.Tensor]
-                ) -> torch.Tensor:
+def run_samples(plan: parallel_state.SamplePlan, loss_fn: Callable[[int, Any, parallel_state.DispatchPlan], torch.Tensor],
+                parameters: Iterable[torch.Tensor]) -> torch.Tensor:
     """One training step of ``plan`` on this rank: the batch's loss (sum over every token / ``plan.total_tokens``),
     the same on every rank, with the gradients of ``parameters`` summed over the dp x cp group.
 
