@@ -86,11 +86,12 @@ def process_group_collection(required_pgs: Sequence[str] | None = None, *, all_g
         invalid = [n for n in wanted if n not in names]
         if invalid:
             raise ParallelStateValueError(f"Invalid process groups requested: {invalid}; the fields are {names}")
-    state = _st.current("process_group_collection()")
     if a.flag("all_gather", all_gather):
         from parallel_state.megatron.initialize import create_all_gather_groups
 
-        create_all_gather_groups(for_expert_parallelism=state.plan.ep > 1)
+        create_all_gather_groups(for_expert_parallelism=_st.current("process_group_collection(all_gather=True)").plan.ep > 1)
+    elif _st.peek() is None and not _st.written:
+        _st.current("process_group_collection()")  # raises, saying what to call first
     if use_megatron:
         bridge_megatron()
     values = {n: ANSWERS.get(FIELDS[n]) if n in OPTIONAL else lookup(FIELDS[n]) for n in wanted if n in FIELDS}
