@@ -225,7 +225,9 @@ def case_writes_over_a_build():
     built = ps.get_context_parallel_group()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = pairs[dist.get_rank() // 2]
+    mps._EMBEDDING_GLOBAL_RANKS = [7]  # on megatron-core's bridged module: megatron-core's alone
     ps._CONTEXT_PARALLEL_GROUP = mine
+    out["megatron_side"] = [mps._EMBEDDING_GLOBAL_RANKS, ps._EMBEDDING_GLOBAL_RANKS == [dist.get_rank()]]
     out["write"] = [ps.get_context_parallel_group() is mine, ps.get_context_parallel_world_size() == 2,
                     ps.get_context_parallel_rank() == dist.get_rank() % 2, ps.process_group_collection().cp is mine,
                     mps.get_context_parallel_group() is mine, ps._CONTEXT_PARALLEL_GROUP is mine]
@@ -252,7 +254,7 @@ def case_writes_over_a_build():
     out["unchanged"] = [ps.get_context_parallel_group() is built, "_global_process_group_list" not in vars(ps),
                         ps.get_tensor_model_parallel_rank() == 0]
     ps.destroy_model_parallel()
-    out["mps_after"] = [mps._CONTEXT_PARALLEL_GROUP, mps._MPU_DATA_PARALLEL_WORLD_SIZE]
+    out["mps_after"] = [mps._CONTEXT_PARALLEL_GROUP, mps._MPU_DATA_PARALLEL_WORLD_SIZE, mps._EMBEDDING_GLOBAL_RANKS]
     ps._TENSOR_MODEL_PARALLEL_GROUP = mine  # by hand: initialize refuses, as megatron-core's asserts
     try:
         ps.initialize_model_parallel(context_parallel_size=2)
@@ -267,13 +269,13 @@ def case_writes_over_a_build():
 
 def test_writes_over_a_build_take_effect_and_destroy_forgets_them(pools):
     for out in pools(4).run(case_writes_over_a_build, timeout=120):
-        assert out["write"] == [True] * 6
+        assert out["write"] == [True] * 6 and out["megatron_side"] == [[7], True]
         assert out["patched"] == [None, None, "raises"]
         assert out["restored"] == [True, True] and out["undone"] == [True, True]
         assert out["mpu"] == [3, 3, 3]
         process_list, group, ranks, mpu = out["errors"]
         assert "create_group" in process_list and "update_pg_timeout(timeout, pg=group)" in process_list
         assert "ProcessGroup" in group and "list (or range) of ints" in ranks and ">= 0" in mpu
-        assert out["unchanged"] == [True] * 3 and out["mps_after"] == [None, None]
+        assert out["unchanged"] == [True] * 3 and out["mps_after"] == [None, None, None]
         assert "_TENSOR_MODEL_PARALLEL_GROUP" in out["refused"] and "destroy_model_parallel()" in out["refused"]
         assert out["nothing_built"]

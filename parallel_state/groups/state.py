@@ -85,9 +85,17 @@ def set_override(key: str, value: Any, name: str | None = None) -> None:
 
 
 def write_global(name: str, value: Any) -> None:
-    """Record a write of megatron-core's private global ``name`` (the answers follow)."""
+    """Record a write of megatron-core's private global ``name`` (the answers follow); on an error, none."""
+    previous = written.get(name, _UNSET)
     written[name] = value
-    _changed()
+    try:
+        _changed()
+    except BaseException:
+        if previous is _UNSET:
+            forget_global(name)
+        else:
+            write_global(name, previous)
+        raise
 
 
 def forget_global(name: str) -> None:

@@ -237,7 +237,7 @@ def _apply_writes(out: dict[str, Any], written: dict[str, Any]) -> None:
                         out[f"{each}.{number}"] = groupless
                     else:
                         out.pop(f"{each}.{number}", None)
-            elif what == "ranks" and not BY_NAME[kind].everyone:
+            elif what == "ranks" and not BY_NAME[kind].everyone and _dist_ready():
                 import torch.distributed as dist
 
                 out[f"{kind}.in"] = value is not None and dist.get_rank() in value

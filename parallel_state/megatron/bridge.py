@@ -11,7 +11,7 @@ are ours (and, on a gloo world, the data-parallel groups themselves).
 A write to megatron-core's own module while bridged is megatron-core's: its getters read it, as
 they always do, and parallel_state's do not (intercepting it would cost megatron-core's own code a
 slower module on every ``parallel_state.get_*()`` call); the bridge writes that global again only
-when parallel_state's value of it changes.
+when parallel_state's value of it changes, and destroy clears it.
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def _follow() -> None:
     if not _bridged or mps is None:
         return
     for name, value in _values(mps).items():
-        if name not in _written or _written[name] is not value:
+        # Equal is unchanged: a refresh makes new lists of the same global ranks.
+        if name not in _written or not (_written[name] is value or _written[name] == value):
             setattr(mps, name, value)
             _written[name] = value
 
@@ -159,10 +160,10 @@ def _unbridge() -> None:
     if mps is not None:
         from parallel_state.megatron.megatron_globals import EMPTY
 
-        for name, value in _written.items():
-            # Only what still holds our value: megatron-core may have been reset meanwhile.
-            if value is not None and getattr(mps, name, None) is value:
-                setattr(mps, name, EMPTY[name]() if name in EMPTY else None)
+        # Every global bridged, also one written on megatron-core's module meanwhile: destroy clears it
+        # there too, as megatron-core's own destroy would.
+        for name in _written:
+            setattr(mps, name, EMPTY[name]() if name in EMPTY else None)
         if _megatron_destroy is not None and mps.destroy_model_parallel is _routed_megatron_destroy:
             mps.destroy_model_parallel = _megatron_destroy
     _written.clear()

@@ -54,7 +54,8 @@ ProcessGroupCollection.__module__ = __name__
 
 def process_group_collection(required_pgs: Sequence[str] | None = None, *, all_gather: bool = False,
                              megatron: bool | None = None) -> Any:
-    """The live topology's groups as a process-group collection for model code's ``pg_collection=``.
+    """The live topology's groups (and those written to megatron-core's globals on ``parallel_state``) as a
+    process-group collection for model code's ``pg_collection=``.
 
     ``megatron`` None: megatron-core's own ``ProcessGroupCollection`` when megatron-core is installed
     (its fields for the installed release; megatron-core is imported and bridged), else this module's

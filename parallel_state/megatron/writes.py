@@ -31,9 +31,10 @@ READ_ONLY: dict[str, str] = {
 }
 
 
-#: Per global, what each write replaced (oldest first), for ``del`` to put back; emptied on destroy.
+#: Per global, what each write in force replaced (oldest first), for ``del`` to put back; emptied on destroy.
 _replaced: dict[str, list[Any]] = {}
 _ABSENT = object()  # a global nothing was written to
+_st.register_teardown_hook(_replaced.clear)
 
 
 def write(name: str, value: Any) -> None:
@@ -52,10 +53,12 @@ def write(name: str, value: Any) -> None:
         _check_group(name, value)
     elif value is not None and what == "ranks":
         _check_ranks(name, value)
-    previous = _current(name)
+    previous, replaced = _current(name), _replaced.setdefault(name, [])
     _put(name, value)
-    _replaced.setdefault(name, []).append(previous)
-    _st.register_teardown_hook(_replaced.clear)
+    if replaced and value is replaced[-1]:
+        replaced.pop()  # back to what the last write replaced (saved, swapped, restored): that write is undone
+    elif value is not previous:
+        replaced.append(previous)
 
 
 def forget(name: str) -> None:
