@@ -24,8 +24,6 @@ from parallel_state import ParallelStateError
 
 TP, CP, PP = 1, 2, 2
 
-#: Every pipeline's ranks hold its embeddings at the first and last stage, its position embedding at the first.
-
 
 def _teletron_writes(world: int) -> list[tuple[str, object]]:
     """Create TeleTron's groups (every rank creates every group, in one order) and return this rank's writes."""
@@ -124,9 +122,22 @@ def _answers(module, calls, writes) -> dict[str, object]:
     return out
 
 
+#: The process-group collection's fields TeleTron's writes fill (megatron-core asserts on the partial dp one).
+FIELDS = ["tp", "pp", "mp", "cp", "embd", "pos_embd", "dp", "dp_cp", "tp_dp_cp"]
+
+
 def _pg_collection(collection, writes) -> dict[str, object]:
-    return {f: sorted(n for n, v in writes if v is getattr(collection, f)) for f in ("tp", "pp", "mp", "cp", "embd",
-                                                                                  "pos_embd", "dp", "dp_cp", "tp_dp_cp")}
+    return {f: sorted(n for n, v in writes if v is getattr(collection, f)) for f in FIELDS}
+
+
+def _initialize_by_hand(module, world: int) -> list[tuple[str, object]]:
+    """TeleTron's initialization on ``module``: the groups written into its globals, then the memory buffer."""
+    writes = _teletron_writes(world)
+    for name, value in writes:
+        setattr(module, name, value)
+    if module._GLOBAL_MEMORY_BUFFER is None:
+        module._set_global_memory_buffer()
+    return writes
 
 
 def case_teletron_initialization(world):
@@ -146,14 +157,9 @@ def case_teletron_initialization(world):
     out = {}
 
     # megatron-core 0.16.1 itself: the writes, the memory buffer, the getters; then its own destroy.
-    theirs = _teletron_writes(world)
-    for name, value in theirs:
-        setattr(mps, name, value)
-    if mps._GLOBAL_MEMORY_BUFFER is None:
-        mps._set_global_memory_buffer()
+    theirs = _initialize_by_hand(mps, world)
     out["megatron"] = _answers(mps, calls, theirs)
-    out["megatron_pgs"] = _pg_collection(ProcessGroupCollection.use_mpu_process_groups(
-        required_pgs=["tp", "pp", "mp", "cp", "embd", "pos_embd", "dp", "dp_cp", "tp_dp_cp"]), theirs)
+    out["megatron_pgs"] = _pg_collection(ProcessGroupCollection.use_mpu_process_groups(required_pgs=FIELDS), theirs)
     mps.destroy_model_parallel()  # frees its gloo groups, leaves the global ranks: put its module back
     for name, value in pristine.items():
         setattr(mps, name, value)
@@ -161,15 +167,10 @@ def case_teletron_initialization(world):
         dist.destroy_process_group(pg)
 
     # parallel_state: the same sequence with groups of its own.
-    ours = _teletron_writes(world)
+    ours = _initialize_by_hand(ps, world)
     created = set(c10d._world.pg_map) - before
-    for name, value in ours:
-        setattr(ps, name, value)
-    if ps._GLOBAL_MEMORY_BUFFER is None:
-        ps._set_global_memory_buffer()
     out["ours"] = _answers(ps, calls, ours)
-    out["ours_pgs"] = _pg_collection(ps.process_group_collection(
-        required_pgs=["tp", "pp", "mp", "cp", "embd", "pos_embd", "dp", "dp_cp", "tp_dp_cp"]), ours)
+    out["ours_pgs"] = _pg_collection(ps.process_group_collection(required_pgs=FIELDS), ours)
     out["ours_reads"] = all(getattr(ps, name) is value for name, value in ours if not name.startswith("_VIRTUAL"))
     # megatron-core was loaded, so the bridge carried the writes into its module: its getters answer alike
     out["bridged"] = _answers(mps, calls, ours)

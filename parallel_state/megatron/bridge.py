@@ -9,9 +9,9 @@ megatron's version would call ``destroy_process_group`` on the gloo data-paralle
 are ours (and, on a gloo world, the data-parallel groups themselves).
 
 A write to megatron-core's own module while bridged is megatron-core's: its getters read it, as
-they always do, and parallel_state's do not (intercepting it would cost megatron-core's own code a
-slower module on every ``parallel_state.get_*()`` call); the bridge writes that global again only
-when parallel_state's value of it changes, and destroy clears it.
+they always do, and parallel_state's do not (intercepting it needs a module type of its own, which
+would slow every ``mpu.get_*()`` call megatron-core's code makes); the bridge writes that global
+again only when parallel_state's value of it changes, and destroy clears it.
 """
 
 from __future__ import annotations
