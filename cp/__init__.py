@@ -13,7 +13,7 @@ from cp.objects import cat_outputs_cp_object_list, split_inputs_cp_object_list
 from cp.shard import cat_outputs_cp, cat_outputs_cp_with_grad, shard_sizes, split_inputs_cp
 from cp.workspace import release_gather_workspace
 from parallel_state import AttentionMask as Mask  # noqa: F401  (one class: cp.Mask is parallel_state.AttentionMask)
-from parallel_state import AttentionShape, CostRates, DispatchPlan, plan_dispatch  # noqa: F401
+from parallel_state import AttentionShape, CostRates, DispatchPlan, plan_dispatch, plan_dual_chunk_swap  # noqa: F401
 
 #: Imported on first use: most programs pick one attention method, and import time is per process.
 _LAZY = {"ring_attention": "cp.ring", "usp_attention": "cp.usp", "measure_rates": "cp.rates", "clear_rates": "cp.rates"}
@@ -47,6 +47,7 @@ __all__ = [
     "heads_to_seq",
     "measure_rates",
     "plan_dispatch",
+    "plan_dual_chunk_swap",
     "release_gather_workspace",
     "ring_attention",
     "robust_broadcast",
