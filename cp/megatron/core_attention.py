@@ -30,11 +30,14 @@ PACKED_FIELDS = tuple(f.name for f in dataclasses.fields(PackedSeqParams)
 THD_MASK_TYPES = {"causal": "padding_causal", "no_mask": "padding"}
 
 
+#: megatron-core's mask types by TE's names (a lookup per call instead of the enum's ``name`` property).
+MASK_TYPE_NAMES = {t: t.name for t in AttnMaskType}
+
+
 def _mask_type_name(value: Any, what: str) -> str:
-    if isinstance(value, AttnMaskType):
-        return value.name
-    if isinstance(value, str):
-        return value
+    name = MASK_TYPE_NAMES.get(value) if isinstance(value, AttnMaskType) else value
+    if isinstance(name, str):
+        return name
     raise TypeError(f"{what}: attn_mask_type must be megatron-core's AttnMaskType (or its name), got "
                     f"{type(value).__name__}")
 
@@ -182,4 +185,4 @@ class DotProductAttention(te.DotProductAttention):
             self.set_context_parallel_group(*own)
 
 
-__all__ = ["DotProductAttention", "PACKED_FIELDS", "THD_MASK_TYPES"]
+__all__ = ["DotProductAttention", "MASK_TYPE_NAMES", "PACKED_FIELDS", "THD_MASK_TYPES"]
