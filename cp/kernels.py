@@ -78,6 +78,12 @@ class KernelChoice:
     reason: str = ""
     diagonal_blocks: int = 1
 
+    @property
+    def needs_mask(self) -> bool:
+        """Whether the kernel takes the tile's bool mask: the reference always (causal tiles too), a fused one as
+        a bias."""
+        return self.name == "math" or self.bias
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Where scores, softmax statistics and gradient sums are accumulated."""

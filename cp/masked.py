@@ -17,11 +17,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from cp import engine, mask_schedule
+from cp import engine, mask_schedule, transports
 from cp.agree import start
 from cp.comm import global_ranks
-from cp.engine import TRANSPORTS, AttentionCall, Confirm, StartCheck
+from cp.engine import AttentionCall, Confirm, StartCheck
 from cp.mask_schedule import Schedule
+from cp.transports import NAMES as TRANSPORTS
 
 # ----------------------------------------------------------------------------- arguments
 
@@ -166,5 +167,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sched: Schedule, g
     ``check``: starts the cross-rank check (``start_agree`` given every argument but ``posted``), which the
     engine judges once this rank's own block is computed."""
     groups = q.shape[h] // k.shape[h]
-    call = AttentionCall(s, h, groups, scale, group, sched, transport if group is not None else "p2p", check)
+    chosen = transports.choose(transport if group is not None else "p2p", group, q.device)
+    call = AttentionCall(s, h, groups, scale, group, sched, chosen, check)
     return engine.attend(call, q, k, v)

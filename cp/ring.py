@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
-from cp import debug, engine, mask_schedule
+from cp import debug, engine, mask_schedule, transports
 from cp.comm import check_group, global_ranks
 from cp.layout import _check_dims, _check_length, _scale, sdpa_in_layout
 from cp.shard import check_tensor, shard_sizes
@@ -138,7 +138,8 @@ def ring_attention_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_
     if n == 1:
         return _plain(q, k, v, s, h, groups, causal, scale)
     sched = _contiguous_schedule(causal, blocks, rank, q.device)
-    return engine.attend(engine.AttentionCall(s, h, groups, scale, cp_group, sched, "ring"), q, k, v)
+    call = engine.AttentionCall(s, h, groups, scale, cp_group, sched, transports.Ring.on(None))
+    return engine.attend(call, q, k, v)
 
 
 def _feature(q: torch.Tensor, s: int, h: int) -> int:

@@ -9,10 +9,10 @@ import torch
 
 import cp
 import cp.comm
-import cp.engine
 import cp.kernels
 import cp.mask_schedule
 import cp.masked
+import cp.transports
 from cpgroups import raises as _raises
 from cpgroups import spying
 
@@ -181,7 +181,7 @@ def case_ring_and_ulysses():
                 _, _, s, h = heads
                 cp.kernels.use_fused = c % 2 == 0  # the fused CPU kernel and the plain matmuls take turns
                 # Every transport takes its turn (the layout by mask alone uses the plan's default).
-                transport = cp.engine.TRANSPORTS[c % 3]
+                transport = cp.transports.NAMES[c % 3]
                 plan = _with_transport(_plan(mask, length, n, method), transport)
                 q, k, v, w = _qkvw(length, heads, s, h, 10 * c)
                 # The contiguous layout also by mask alone (with length=), as the plan the ring makes for it.
@@ -209,7 +209,7 @@ def case_ring_and_ulysses():
                     assert not count.kv_sent  # the all-to-all moves K/V, no point-to-point transfer
                     worst = max(worst, err)
                     checks.append(f"ulysses {n} {mask} {method} L={length}")
-        assert transports == set(cp.engine.TRANSPORTS), transports
+        assert transports == set(cp.transports.NAMES), transports
     finally:  # the pool's ranks outlive this case
         _default_tiles()
         for g in made:
@@ -237,7 +237,7 @@ def case_usp():
         for c, (mask, length, method, heads) in enumerate(_cases(4) + clips):
             _, _, s, h = heads
             cp.kernels.use_fused = c % 2 == 1
-            plan = _with_transport(_plan(mask, length, 4, method), cp.engine.TRANSPORTS[c % 3])
+            plan = _with_transport(_plan(mask, length, 4, method), cp.transports.NAMES[c % 3])
             q, k, v, w = _qkvw(length, heads, s, h, 10 * c)
             kwargs = {"mask": mask, "length": length} if method == "contiguous" and c % 4 == 1 else {"plan": plan}
 
@@ -285,7 +285,7 @@ def case_traffic_is_point_to_point_to_the_needy():
     for part in (calls[:forward], calls[forward:]):  # gloo: no message leaves before every receive is posted
         assert part.count("all_to_all_single") == 1 and "isend" not in part[:part.index("all_to_all_single")], calls
     # gloo: every transfer of the pass starts at step 0; NCCL (one stream per batch) would deadlock on that.
-    assert cp.engine.starts_all_at_once(cp.comm.backend_for(g, "cpu")) and not cp.engine.starts_all_at_once("nccl")
+    assert cp.transports.starts_all_at_once(cp.comm.backend_for(g, "cpu")) and not cp.transports.starts_all_at_once("nccl")
     pairs = plan.pairs()
     sent: dict[int, int] = {}
     for peer, nbytes in sends:
