@@ -336,7 +336,7 @@ def _masked_arguments(what: str, attn_fn: Any, attn_kwargs: dict[str, Any]) -> N
 def masked_ulysses(call: inputs.Call) -> torch.Tensor:
     """ulysses_attention with ``mask`` / ``plan`` (``call.masking``): the exchange around the engine's masked
     attention on the whole sequence."""
-    from cp import masked
+    from cp import call_check, masked
 
     what, t, group, n = call.what, call.tensors, call.group, call.n
     m = call.masking
@@ -355,7 +355,7 @@ def masked_ulysses(call: inputs.Call) -> torch.Tensor:
             raise ValueError(f"{what}: q holds {t.local} tokens but the mask's sequence has {plan.length}; in a "
                              f"group of one the shard is the whole sequence")
         return attn(t.q, t.k, t.v)
-    masked.agree(call, t.tokens())
+    call_check.check(call, t.tokens())
     seqs = None if len(set(plan.sizes)) == 1 else [plan.sizes] * 3
     return across_heads(t, group, repeats, seqs, attn)
 

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
-from cp import debug, engine, inputs, mask_schedule, masked, transports
+from cp import call_check, debug, engine, inputs, mask_schedule, masked, transports
 from cp.comm import global_ranks
 from cp.layout import sdpa_in_layout
 from cp.shard import shard_sizes
@@ -168,7 +168,7 @@ def masked_ring(call: inputs.Call) -> torch.Tensor:
     check = None
     if call.n > 1:  # started by the engine, judged once this rank's own block is computed, before any K/V moves
         def check(posted: Sequence[int]) -> engine.Confirm:
-            return masked.start_agree(call, [("q", t.local)], posted=posted)
+            return call_check.start(call, [("q", t.local)], posted)
     elif t.local != plan.length:
         raise ValueError(f"{call.what}: q holds {t.local} tokens (seq_dim {t.seq_dim}) but the "
                          f"{m.layout(call.n)[0]} is for {plan.length}; without a group, pass the whole sequence")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from cp import inputs, masked
+from cp import call_check, inputs, masked
 from cp.attention import across_heads, masked_ulysses, ulysses
 from cp.comm import global_ranks
 from cp.ring import attend_blocks, ring_attention
@@ -98,7 +98,7 @@ def _masked_usp(call: inputs.Call, u: int, r: int, j: int) -> torch.Tensor:
         return tuple(tuple(p for i in range(jj * u, jj * u + u) for p in plan.positions[i]) for jj in range(r))
 
     sched = masked.schedule(plan, ("usp", u, r), ring_positions, j, t.q.device)
-    masked.agree(call, t.tokens())
+    call_check.check(call, t.tokens())
     block = plan.sizes[j * u:(j + 1) * u]
     seqs = None if len(set(block)) == 1 else [block] * 3
 
