@@ -41,6 +41,7 @@ import torch
 
 from cp import agree, debug, meta, transports
 from cp.comm import global_ranks, meta_device
+from cp.engine import Confirm
 from cp.inputs import Call, Tensors
 
 #: The flags of a rank's row (see the module doc).
@@ -50,8 +51,6 @@ CACHE_SIZE = 64
 #: Tests set it to run, on gloo, the path of a group whose reads would make the CPU wait for a GPU (NCCL).
 reads_wait_everywhere = False
 
-#: A started check: call it with a ``drain`` (given every rank's posted bytes on failure) to judge it.
-Confirm = Callable[[Callable[[list[list[int]]], None]], None]
 #: One tensor's layout in the full check's row: dtype code, dims, seq dim, head dim, every size but the tokens.
 _SIG = 4 + meta.MAX_NDIM
 

@@ -1,4 +1,4 @@
-"""The arguments of masked attention (``mask=`` / ``plan=``): the plan, its schedule, the checks across ranks.
+"""Masked attention (``mask=`` / ``plan=``) on a checked call's plan: its cached schedule and its engine call.
 
 Shared by ``ring_attention``, ``ulysses_attention`` and ``usp_attention`` with a ``cp.Mask`` or a
 ``cp.DispatchPlan``: group rank i holds the global tokens ``positions[i]`` (in that order); the
@@ -7,7 +7,9 @@ each other rank needs, and ``cp.engine`` attends by it, K/V travelling as the pl
 (``DispatchPlan.transport``; point to point from owner to the ranks that need them by default).
 
 With one rank (``group=None``) this is plain masked attention over the whole sequence, the tokens
-in any order: Ulysses uses it on the whole sequence it holds after its all-to-all.
+in any order: Ulysses uses it on the whole sequence it holds after its all-to-all. The plan comes
+from the call's checked arguments (``cp.inputs.Masking``); the ranks' agreement on it is
+``cp.call_check``'s.
 """
 
 from __future__ import annotations

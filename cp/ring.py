@@ -83,7 +83,7 @@ def attend_blocks(call: inputs.Call, blocks: tuple[int, ...], how: str = "blocks
         return _plain(call)
     assert call.scale is not None
     sched = _contiguous_schedule(call.causal, blocks, rank, q.device)
-    run = engine.AttentionCall(s, t.h, t.groups, call.scale, group, sched, transports.Ring.on(None))
+    run = engine.AttentionCall(s, t.h, t.groups, call.scale, group, sched, transports.Ring)
     return engine.attend(run, q, t.k, t.v)
 
 
