@@ -20,7 +20,7 @@ from parallel_state.groups import state as _st
 from parallel_state.megatron.answers import ANSWERS as _A
 from parallel_state.megatron.answers import lookup as _lookup
 from parallel_state.megatron.compiled import compile_accessor
-from parallel_state.topology.arguments import flag, non_negative_int, positive_int
+from parallel_state.topology.arguments import flag, non_negative_int
 
 #: reference accessor -> its fast path (variant -> answer key), compiled at the end of the module.
 _FAST: dict[Callable[..., Any], dict[str, str]] = {}
@@ -90,10 +90,10 @@ def _edp_number(what: str, doc: str) -> Callable[..., int]:
 def _setter(key: str, param: str) -> Callable[[Any], None]:
     # megatron-core's parameter names (rank / world_size), so keyword calls keep working.
     def set_rank(rank: int | None) -> None:
-        _st.set_override(key, None if rank is None else non_negative_int(key, rank))
+        _st.set_override(key, rank)
 
     def set_world_size(world_size: int | None) -> None:
-        _st.set_override(key, None if world_size is None else positive_int(key, world_size))
+        _st.set_override(key, world_size)
 
     set_ = set_rank if param == "rank" else set_world_size
     set_.__doc__ = f"Override the {key.replace('_', ' ')} (megatron-core's testing hook); None clears it."
@@ -104,7 +104,7 @@ def _setter(key: str, param: str) -> Callable[[Any], None]:
 
 def is_initialized() -> bool:
     """Whether the model-parallel groups exist (megatron-core: the data-parallel group is set)."""
-    return "initialized" in _A
+    return _A.get("dp.exists", False)
 
 
 def model_parallel_is_initialized() -> bool:
@@ -116,7 +116,7 @@ def is_unitialized() -> bool:
     """Deprecated megatron-core spelling of ``not is_initialized()``."""
     # Level 1, as megatron-core: a deeper level walks frames on every call of a hot deprecated name.
     warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, 1)
-    return "initialized" not in _A
+    return not _A.get("dp.exists", False)
 
 
 # --- groups ----------------------------------------------------------------------------------
@@ -332,7 +332,9 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
         return False
     if ignore_virtual is True or flag("ignore_virtual", ignore_virtual):
         return True
-    ranks, rank = _lookup("embd.ranks"), _st.current("is_rank_in_embedding_group").rank
+    import torch.distributed as dist
+
+    ranks, rank = _lookup("embd.ranks"), dist.get_rank()
     if rank == ranks[0]:
         return is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if rank == ranks[-1]:
@@ -374,7 +376,7 @@ def get_tensor_model_parallel_last_rank(with_context_parallel: bool = False) -> 
 
 
 for _fn, _variants in {
-    is_initialized: dict(default="initialized"), model_parallel_is_initialized: dict(default="initialized"),
+    is_initialized: dict(default="dp.exists"), model_parallel_is_initialized: dict(default="initialized"),
     get_data_parallel_group: dict(default="gtp-dp.group", cp="gtp-dp-cp.group", cp_partial="gtp-dp-cp-intra.group"),
     get_data_parallel_group_gloo: dict(default="dp.gloo", cp="dp-cp.gloo", cp_partial="dp-cp-intra.gloo"),
     get_tensor_and_data_parallel_group: dict(default="tp-dp.group", cp="tp-dp-cp.group"),

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from parallel_state.errors import ParallelStateTypeError, ParallelStateValueError
 from parallel_state.topology.attention_mask import AttentionMask, MaskKind, as_int
-from parallel_state.topology.dispatch_cost import TRANSPORTS, AttentionShape, Candidate, CostRates, predict
+from parallel_state.topology.dispatch_cost import TRANSPORTS, AttentionShape, Candidate, CostRates, checked, predict
 from parallel_state.topology.shards import shard_sizes
 
 if TYPE_CHECKING:
@@ -242,14 +242,7 @@ def plan_dispatch(mask: AttentionMask, length: int, cp_size: int, *, method: str
     if method == "clips" and (mask.kind is not MaskKind.PACKED or len(mask.lengths or ()) < 2):
         raise ParallelStateValueError(f"{what}: method='clips' keeps packed clips whole, but the mask {mask} has "
                                       f"no two clips; use method='auto', 'balanced' or 'contiguous'")
-    rates = CostRates() if rates is None else rates
-    if not isinstance(rates, CostRates):
-        raise ParallelStateTypeError(f"{what}: rates must be a CostRates (or None: a GPU node's defaults), got "
-                                     f"{type(rates).__name__}; cp.measure_rates(group) measures a group's")
-    shape = AttentionShape() if shape is None else shape
-    if not isinstance(shape, AttentionShape):
-        raise ParallelStateTypeError(f"{what}: shape must be an AttentionShape (or None: the default), got "
-                                     f"{type(shape).__name__}")
+    rates, shape = checked(what, rates, shape)
     ulysses_size = as_int(what, "ulysses_size", ulysses_size)
     if ulysses_size < 1 or cp_size % ulysses_size:
         raise ParallelStateValueError(f"{what}: ulysses_size={ulysses_size} must be >= 1 and divide "
