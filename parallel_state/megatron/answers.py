@@ -1,10 +1,11 @@
 """Every accessor's answer, computed once per change of the state or the overrides.
 
 An accessor runs per layer and per micro-batch, so it must cost a lookup: the answers live in
-one dict, ``ANSWERS``, keyed ``"<kind>.<what>"`` (``"tp.rank"``, ``"dp-cp.group"``,
-``"pp.next"``). It is filled when the groups are built, refilled when a ``set_*`` override
-changes, and emptied on destroy. It is a plain dict (a subclass would cost every lookup): an
-accessor catches the KeyError of an absent key and asks :func:`missing`, which gives
+one dict, ``ANSWERS``, keyed by a kind's fact (``TP.key(Fact.RANK)``, ``DP_CP.key(Fact.GROUP)``,
+``PP.key(Fact.NEXT)``: ``topology.answer_keys``; plain strings such as ``"tp.rank"``, made once, at
+import, by the code that reads them). It is filled when the groups are built, refilled when a
+``set_*`` override changes, and emptied on destroy. It is a plain dict (a subclass would cost every
+lookup): an accessor catches the KeyError of an absent key and asks :func:`missing`, which gives
 megatron-core's answer for that situation (0 for some ranks and sizes outside a distributed
 run, None for the virtual pipeline) or the error saying what to do.
 """
@@ -15,61 +16,86 @@ from typing import Any, Callable
 
 from parallel_state.errors import ParallelStateAssertionError
 from parallel_state.groups import state as _st
+from parallel_state.groups.state import Override
 from parallel_state.topology import releases
-from parallel_state.topology.kinds import BY_NAME, ROWS, Family
+from parallel_state.topology.answer_keys import ALL_RANKS, INITIALIZED, VIRTUAL_PIPELINE, VPP_RANK, VPP_SIZE, AnswerKey, Fact
+from parallel_state.topology.answer_keys import parts as _parts
+from parallel_state.topology.kinds import (
+    BY_NAME,
+    CP,
+    DP,
+    DP_CP,
+    DP_CP_AG,
+    DP_CP_INTRA,
+    EP,
+    ETP,
+    GTP,
+    GTP_DP,
+    GTP_DP_CP,
+    GTP_DP_CP_INTRA,
+    PP,
+    ROWS,
+    TP,
+    Family,
+    Zero,
+)
 
 #: The rows holding numbered kinds (hierarchical cp levels, hybrid blocks), whose groups one answer collects.
 FAMILIES = tuple(r for r in ROWS if isinstance(r, Family))
 
 #: Megatron's set_* values (override keys of state.overrides) -> the answers they replace.
-OVERRIDES: dict[str, tuple[str, ...]] = {
-    "tensor_model_parallel_world_size": ("tp.size",),
-    "tensor_model_parallel_rank": ("tp.rank",),
-    "pipeline_model_parallel_world_size": ("pp.size",),
-    "pipeline_model_parallel_rank": ("pp.rank",),
-    "data_parallel_rank": ("dp.rank", "dp-cp.rank", "dp-cp-intra.rank", "gtp-dp.rank", "gtp-dp-cp.rank",
-                           "gtp-dp-cp-intra.rank"),
-    "virtual_pipeline_model_parallel_world_size": ("vpp.size",),
-    "virtual_pipeline_model_parallel_rank": ("vpp.rank",),
-    "expert_model_parallel_world_size": ("ep.size",),
-    "expert_model_parallel_rank": ("ep.rank",),
-    "expert_tensor_parallel_world_size": ("etp.size",),
-    "expert_tensor_parallel_rank": ("etp.rank",),
+OVERRIDES: dict[Override, tuple[AnswerKey, ...]] = {
+    Override.TENSOR_MODEL_PARALLEL_WORLD_SIZE: (TP.key(Fact.SIZE),),
+    Override.TENSOR_MODEL_PARALLEL_RANK: (TP.key(Fact.RANK),),
+    Override.PIPELINE_MODEL_PARALLEL_WORLD_SIZE: (PP.key(Fact.SIZE),),
+    Override.PIPELINE_MODEL_PARALLEL_RANK: (PP.key(Fact.RANK),),
+    Override.DATA_PARALLEL_RANK: tuple(k.key(Fact.RANK) for k in (DP, DP_CP, DP_CP_INTRA, GTP_DP, GTP_DP_CP,
+                                                                    GTP_DP_CP_INTRA)),
+    Override.VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE: (VPP_SIZE,),
+    Override.VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK: (VPP_RANK,),
+    Override.EXPERT_MODEL_PARALLEL_WORLD_SIZE: (EP.key(Fact.SIZE),),
+    Override.EXPERT_MODEL_PARALLEL_RANK: (EP.key(Fact.RANK),),
+    Override.EXPERT_TENSOR_PARALLEL_WORLD_SIZE: (ETP.key(Fact.SIZE),),
+    Override.EXPERT_TENSOR_PARALLEL_RANK: (ETP.key(Fact.RANK),),
 }
+#: Without groups, megatron-core answers the expert tensor-parallel rank and size from the tensor-parallel overrides.
+ETP_FALLBACK: dict[AnswerKey, Override] = {ETP.key(Fact.RANK): Override.TENSOR_MODEL_PARALLEL_RANK,
+                                           ETP.key(Fact.SIZE): Override.TENSOR_MODEL_PARALLEL_WORLD_SIZE}
 
 #: Ranks and sizes megatron-core reports as 0 while torch.distributed is not initialized, and (0.19)
 #: whenever their group is not built: the rows' ``zero_without``.
-ZERO_WITHOUT_DIST = frozenset(f"{r.name}.{what}" for r in ROWS if r.zero_without == "dist" for what in ("rank", "size"))
-ZERO_WITHOUT_GROUPS = frozenset(f"{r.name}.{what}" for r in ROWS if r.zero_without == "groups"
-                                for what in ("rank", "size"))
+ZERO_WITHOUT_DIST = frozenset(r.key(fact) for r in ROWS if r.zero_without is Zero.WITHOUT_DIST
+                              for fact in (Fact.RANK, Fact.SIZE))
+ZERO_WITHOUT_GROUPS = frozenset(r.key(fact) for r in ROWS if r.zero_without is Zero.WITHOUT_GROUPS
+                                for fact in (Fact.RANK, Fact.SIZE))
 
 
-def _pp_at(a: Callable[[str], Any], step: int) -> int:
-    return a("pp.ranks")[(a("pp.rank") + step) % a("pp.size")]
+def _pp_at(a: Callable[[AnswerKey], Any], step: int) -> int:
+    return a(PP.key(Fact.RANKS))[(a(PP.key(Fact.RANK)) + step) % a(PP.key(Fact.SIZE))]
 
 
-def _all_ranks(a: Callable[[str], Any]) -> str:
+def _all_ranks(a: Callable[[AnswerKey], Any]) -> str:
     # megatron-core 0.19 puts the gtp_remat rank second; the release in use decides the format.
-    gtp = ("gtp.rank",) if releases.behaves("all_ranks_with_gtp_remat") else ()
-    return "_".join(str(a(k) or 0) for k in ("tp.rank", *gtp, "gtp-dp.rank", "cp.rank", "pp.rank", "ep.rank"))
+    gtp = (GTP,) if releases.behaves("all_ranks_with_gtp_remat") else ()
+    return "_".join(str(a(k.key(Fact.RANK)) or 0) for k in (TP, *gtp, GTP_DP, CP, PP, EP))
 
 
 #: Answers computed from other answers: precomputed when possible, else computed on access
 #: (so that overrides set before initialize answer as in megatron-core).
-DERIVED: dict[str, Callable[[Any], Any]] = {
-    "pp.is_first": lambda a: a("pp.rank") == 0,
-    "pp.is_last": lambda a: a("pp.rank") == a("pp.size") - 1,
-    "pp.first": lambda a: a("pp.ranks")[0],
-    "pp.last": lambda a: a("pp.ranks")[a("pp.size") - 1],
-    "pp.next": lambda a: _pp_at(a, 1),
-    "pp.prev": lambda a: _pp_at(a, -1),
-    "all_ranks": _all_ranks,
+DERIVED: dict[AnswerKey, Callable[[Any], Any]] = {
+    PP.key(Fact.IS_FIRST): lambda a: a(PP.key(Fact.RANK)) == 0,
+    PP.key(Fact.IS_LAST): lambda a: a(PP.key(Fact.RANK)) == a(PP.key(Fact.SIZE)) - 1,
+    PP.key(Fact.FIRST): lambda a: a(PP.key(Fact.RANKS))[0],
+    PP.key(Fact.LAST): lambda a: a(PP.key(Fact.RANKS))[a(PP.key(Fact.SIZE)) - 1],
+    PP.key(Fact.NEXT): lambda a: _pp_at(a, 1),
+    PP.key(Fact.PREV): lambda a: _pp_at(a, -1),
+    ALL_RANKS: _all_ranks,
     # A kind's source rank (megatron-core's get_*_src_rank) is the first of its global ranks.
-    **{f"{r.name}.src": (lambda a, ranks=f"{r.name}.ranks": a(ranks)[0]) for r in ROWS if r.with_ranks},
+    **{r.key(Fact.SRC): (lambda a, ranks=r.key(Fact.RANKS): a(ranks)[0]) for r in ROWS if r.with_ranks},
 }
 
 #: How messages name the answers that are no kind's (every kind's ``title`` names it).
-OTHER_TITLES = {"vpp": "virtual pipeline"}
+OTHER_TITLES = {VIRTUAL_PIPELINE: "virtual pipeline"}
 
 
 def _title(kind: str) -> str:
@@ -79,7 +105,7 @@ def _title(kind: str) -> str:
     return row.title if row is not None else OTHER_TITLES.get(kind, kind)
 
 
-def lookup(key: str) -> Any:
+def lookup(key: AnswerKey) -> Any:
     """The answer for ``key``: the precomputed one, else what :func:`missing` says."""
     try:
         return ANSWERS[key]
@@ -87,29 +113,32 @@ def lookup(key: str) -> Any:
         return missing(key)
 
 
-def missing(key: str) -> Any:
+def missing(key: AnswerKey) -> Any:
     """The answer for a key with no precomputed answer, or the error that explains why there is none."""
     derive = DERIVED.get(key)
     if derive is not None:
         return derive(lookup)
-    kind, _, what = key.rpartition(".")
+    made = _parts(key)
+    if made is None:
+        raise KeyError(f"{key!r} is no answer key: make keys with Kind.key(Fact....) (topology.answer_keys)")
+    kind, what = made
     state = _st.peek()
     if state is None:
         if key in ZERO_WITHOUT_GROUPS or key in ZERO_WITHOUT_DIST and not _dist_ready():
             return 0
-        if kind == "vpp":
+        if kind == VIRTUAL_PIPELINE:
             return None
-        if kind == "etp" and what in ("rank", "size"):
+        if key in ETP_FALLBACK:
             # megatron-core falls back to the tensor-parallel override (None when unset).
-            return _st.overrides.get(f"tensor_model_parallel_{'rank' if what == 'rank' else 'world_size'}")
+            return _st.overrides.get(ETP_FALLBACK[key])
         _st.current(_describe(kind, what))  # raises, saying what to call first
-    if what == "gloo" and kind in state.plan.kinds and not state.plan.gloo_allowed(kind):
+    if what is Fact.GLOO and kind in state.plan.kinds and not state.plan.gloo_allowed(kind):
         raise ParallelStateAssertionError(
             f"the gloo {_title(kind)} group was not created: as megatron-core 0.19, parallel_state builds "
             f"no gloo groups under generalized tensor parallelism (gtp_remat_size {state.plan.gtp}, "
             f"expert_gtp_remat_size {state.plan.egtp}); use the NCCL group, or gtp sizes of 1"
         )
-    if what == "gloo" and not state.gloo_groups:
+    if what is Fact.GLOO and not state.gloo_groups:
         raise ParallelStateAssertionError(
             f"the gloo {_title(kind)} group was not created: initialize_model_parallel was called with "
             f"create_gloo_process_groups=False; initialize with create_gloo_process_groups=True to have it"
@@ -121,10 +150,12 @@ def missing(key: str) -> Any:
     )
 
 
-def _describe(kind: str, what: str) -> str:
-    noun = {"group": "group", "rank": "rank", "size": "world size", "ranks": "global ranks", "gloo": "gloo group",
-            "src": "source rank", "groups": "groups"}.get(what, what)
-    return f"the {_title(kind)} {noun}"
+#: How messages name a fact (the others by their value).
+NOUNS = {Fact.SIZE: "world size", Fact.RANKS: "global ranks", Fact.GLOO: "gloo group", Fact.SRC: "source rank"}
+
+
+def _describe(kind: str, what: Fact) -> str:
+    return f"the {_title(kind)} {NOUNS.get(what, what.value)}"
 
 
 def _dist_ready() -> bool:
@@ -133,37 +164,37 @@ def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-ANSWERS: dict[str, Any] = {}
+ANSWERS: dict[AnswerKey, Any] = {}
 
 
-def compute(state: _st.ParallelState | None, overrides: dict[str, Any]) -> dict[str, Any]:
+def compute(state: _st.ParallelState | None, overrides: dict[Override, Any]) -> dict[AnswerKey, Any]:
     """Every answer for ``state`` (None: only the overrides') with ``overrides`` applied."""
-    out: dict[str, Any] = {}
+    out: dict[AnswerKey, Any] = {}
     if state is not None:
         plan = state.plan
         members: dict[str, dict[int, Any]] = {}  # family -> number -> this rank's group
         for name, kind in plan.kinds.items():
             if not kind.everyone:
-                out[f"{name}.in"] = bool(state.ranks(name))
-                if not out[f"{name}.in"]:
+                member = out[kind.key(Fact.IN)] = bool(state.ranks(name))
+                if not member:
                     continue  # not a member (embedding stages): the group accessors assert, or read None
-            out[f"{name}.group"] = state.groups[name]
-            out[f"{name}.size"] = plan.group_size(name, state.rank)
-            out[f"{name}.rank"] = state.group_rank(name)
+            out[kind.key(Fact.GROUP)] = state.groups[name]
+            out[kind.key(Fact.SIZE)] = plan.group_size(name, state.rank)
+            out[kind.key(Fact.RANK)] = state.group_rank(name)
             if kind.with_ranks:
-                out[f"{name}.ranks"] = list(state.ranks(name))
+                out[kind.key(Fact.RANKS)] = list(state.ranks(name))
             if kind.family:
                 members.setdefault(kind.family, {})[kind.number] = state.groups[name]
-        for kind, group in state.gloo_groups.items():
-            out[f"{kind}.gloo"] = group
-        out["dp-cp-ag.exists"] = "dp-cp-ag.group" in out
+        for name, group in state.gloo_groups.items():
+            out[plan.kinds[name].key(Fact.GLOO)] = group
+        out[DP_CP_AG.key(Fact.EXISTS)] = DP_CP_AG.answer in out
         for family in FAMILIES:
             value = family.collect(members.get(family.name, {}))
             if value is not None:
                 out[family.answer] = value
-        out["vpp.size"] = state.virtual_pipeline_size
-        out["vpp.rank"] = state.virtual_pipeline_rank
-        out["initialized"] = True
+        out[VPP_SIZE] = state.virtual_pipeline_size
+        out[VPP_RANK] = state.virtual_pipeline_rank
+        out[INITIALIZED] = True
     for key, value in overrides.items():
         for answer in OVERRIDES[key]:
             out[answer] = value

@@ -11,21 +11,23 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from parallel_state.groups import state as _st
+from parallel_state.groups.state import Override
 from parallel_state.megatron.answers import ANSWERS, OVERRIDES
+from parallel_state.topology.answer_keys import VPP_RANK, VPP_SIZE, AnswerKey, Fact
 from parallel_state.topology.kinds import ROWS
 
 #: megatron-core global -> the answer it holds: each kind's group, gloo twin and global ranks from its
 #: row (a family's: its members' groups), then the virtual pipeline's, which is no kind.
-FROM_ANSWERS: dict[str, str] = {
+FROM_ANSWERS: dict[str, AnswerKey] = {
     **{r.megatron: r.answer for r in ROWS if r.megatron and r.empty is None},
-    **{r.gloo: f"{r.name}.gloo" for r in ROWS if r.gloo},
-    **{r.ranks_global: f"{r.name}.ranks" for r in ROWS if r.ranks_global},
-    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": "vpp.rank",
-    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": "vpp.size",
+    **{r.gloo_global: r.key(Fact.GLOO) for r in ROWS if r.gloo_global},
+    **{r.ranks_global: r.key(Fact.RANKS) for r in ROWS if r.ranks_global},
+    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": VPP_RANK,
+    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": VPP_SIZE,
 }
 
 #: megatron-core's _MPU_* caches -> our set_* override keys; they win over the groups in both.
-FROM_OVERRIDES: dict[str, str] = {
+FROM_OVERRIDES: dict[str, Override] = {
     f"_MPU_{key.upper()}": key for key in OVERRIDES if not key.startswith("virtual")
 }
 
