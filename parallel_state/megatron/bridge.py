@@ -129,11 +129,6 @@ def _follow_overrides() -> None:
 _st.on_change(_follow_overrides)
 
 
-def is_bridged() -> bool:
-    """Whether megatron-core currently reads this project's groups."""
-    return _bridged is not None
-
-
 def _unbridge() -> None:
     """Teardown hook: point megatron-core's globals back to None and give it back its destroy function."""
     global _bridged
