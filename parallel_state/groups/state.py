@@ -52,7 +52,7 @@ class ParallelState:
     group_keys: dict[tuple[Flavor, str], Any] = field(default_factory=dict)
     #: Whether the whole topology came back from the group cache (no group was created).
     from_cache: bool = False
-    virtual_pipeline_size: int | None = None
+    #: The interleaved schedule's current model chunk: 0 when built, as in megatron-core (None without one).
     virtual_pipeline_rank: int | None = None
     #: kind -> this rank's group's ranks, computed once (a group can hold thousands of ranks).
     _ranks: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
@@ -61,6 +61,11 @@ class ParallelState:
     def timeout(self) -> datetime.timedelta:
         """The groups' timeout."""
         return self.options.timeout
+
+    @property
+    def virtual_pipeline_size(self) -> int | None:
+        """The interleaved schedule's model chunks per stage (None: no virtual pipeline)."""
+        return self.options.virtual_pipeline_size
 
     def ranks(self, kind: str) -> tuple[int, ...]:
         """Global ranks of this rank's group of ``kind``."""
@@ -152,9 +157,8 @@ def build(plan: TopologyPlan, options: BuildOptions) -> ParallelState:
             "world (there every new communicator is split collectively over all ranks); call "
             "torch.distributed.init_process_group without device_id, or build over the whole world"
         )
-    vpp = options.virtual_pipeline_size
-    state = ParallelState(plan=plan, rank=rank, options=options, virtual_pipeline_size=vpp,
-                          virtual_pipeline_rank=0 if vpp is not None else None)
+    state = ParallelState(plan=plan, rank=rank, options=options,
+                          virtual_pipeline_rank=0 if options.virtual_pipeline_size is not None else None)
     cache_key = options.cache_key
     caching = group_cache.enabled() and cache_key is not None
     if caching:
