@@ -22,7 +22,7 @@ from parallel_state.megatron.answers import ANSWERS as _A
 from parallel_state.megatron.answers import lookup as _lookup
 from parallel_state.megatron.compiled import compile_accessor
 from parallel_state.topology.answer_keys import ALL_RANKS, INITIALIZED, VPP_RANK, VPP_SIZE, AnswerKey, Fact
-from parallel_state.topology.arguments import flag, non_negative_int, positive_int
+from parallel_state.topology.arguments import flag, non_negative_int
 from parallel_state.topology.kinds import (
     CP,
     DIST_OPT,
@@ -153,15 +153,16 @@ _EDP_GLOO, _EDP_INTRA_GLOO = EDP.key(Fact.GLOO), EDP_INTRA.key(Fact.GLOO)
 _DP_SRC, _DP_CP_SRC = DP.key(Fact.SRC), DP_CP.key(Fact.SRC)
 _PP_IS_FIRST, _PP_IS_LAST = PP.key(Fact.IS_FIRST), PP.key(Fact.IS_LAST)
 _EMBD_IN, _EMBD_RANKS, _POS_EMBD_IN = EMBD.key(Fact.IN), EMBD.key(Fact.RANKS), POS_EMBD.key(Fact.IN)
+_DP_EXISTS = DP.key(Fact.EXISTS)
 
 
 def _setter(key: Override, param: str) -> Callable[[Any], None]:
     # megatron-core's parameter names (rank / world_size), so keyword calls keep working.
     def set_rank(rank: int | None) -> None:
-        _st.set_override(key, None if rank is None else non_negative_int(key, rank))
+        _st.set_override(key, rank)
 
     def set_world_size(world_size: int | None) -> None:
-        _st.set_override(key, None if world_size is None else positive_int(key, world_size))
+        _st.set_override(key, world_size)
 
     set_ = set_rank if param == "rank" else set_world_size
     set_.__doc__ = f"Override the {key.replace('_', ' ')} (megatron-core's testing hook); None clears it."
@@ -172,7 +173,7 @@ def _setter(key: Override, param: str) -> Callable[[Any], None]:
 
 def is_initialized() -> bool:
     """Whether the model-parallel groups exist (megatron-core: the data-parallel group is set)."""
-    return INITIALIZED in _A
+    return _A.get(_DP_EXISTS, False)
 
 
 def model_parallel_is_initialized() -> bool:
@@ -184,7 +185,7 @@ def is_unitialized() -> bool:
     """Deprecated megatron-core spelling of ``not is_initialized()``."""
     # Level 1, as megatron-core: a deeper level walks frames on every call of a hot deprecated name.
     warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, 1)
-    return INITIALIZED not in _A
+    return not _A.get(_DP_EXISTS, False)
 
 
 # --- groups ----------------------------------------------------------------------------------
@@ -406,7 +407,9 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
         return False
     if ignore_virtual is True or flag("ignore_virtual", ignore_virtual):
         return True
-    ranks, rank = _lookup(_EMBD_RANKS), _st.current("is_rank_in_embedding_group").rank
+    import torch.distributed as dist
+
+    ranks, rank = _lookup(_EMBD_RANKS), dist.get_rank()
     if rank == ranks[0]:
         return is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if rank == ranks[-1]:
@@ -448,7 +451,7 @@ def get_tensor_model_parallel_last_rank(with_context_parallel: bool = False) -> 
 
 
 for _fn, _variants in {
-    is_initialized: dict(default=INITIALIZED), model_parallel_is_initialized: dict(default=INITIALIZED),
+    is_initialized: dict(default=_DP_EXISTS), model_parallel_is_initialized: dict(default=INITIALIZED),
     get_data_parallel_group: dict(default=GTP_DP.key(Fact.GROUP), cp=GTP_DP_CP.key(Fact.GROUP),
                                   cp_partial=GTP_DP_CP_INTRA.key(Fact.GROUP)),
     get_data_parallel_group_gloo: dict(default=DP.key(Fact.GLOO), cp=DP_CP.key(Fact.GLOO),
