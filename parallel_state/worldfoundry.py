@@ -55,6 +55,8 @@ from parallel_state.runtime.orchestration import (
 from parallel_state.runtime.resolve import dist_ready as is_distributed_initialized
 from parallel_state.runtime.resolve import resolve_global_rank as get_global_rank
 from parallel_state.runtime.resolve import resolve_world_size as get_world_size
+from parallel_state.topology import kinds as _kinds
+from parallel_state.topology.answer_keys import Fact as _Fact
 from parallel_state.topology.arguments import flag as _flag
 
 # --- context-parallel data helpers: this project's cp package under WorldFoundry's names --------
@@ -95,24 +97,28 @@ get_tp_world_size = _acc.get_tp_world_size
 model_parallel_is_initialized = _acc.model_parallel_is_initialized
 
 
+_TP_GROUP, _TP_CP_GROUP = _kinds.TP.key(_Fact.GROUP), _kinds.TP_CP.key(_Fact.GROUP)
+_TP_SRC, _TP_CP_SRC = _kinds.TP.key(_Fact.SRC), _kinds.TP_CP.key(_Fact.SRC)
+
+
 def _get_tp_group(check_initialized: bool = True, with_context_parallel: bool = False) -> Any:
     """This rank's tensor-parallel group (tp x cp with ``with_context_parallel``); None if absent and not checked."""
-    key = "tp-cp.group" if _flag("with_context_parallel", with_context_parallel) else "tp.group"
+    key = _TP_CP_GROUP if _flag("with_context_parallel", with_context_parallel) else _TP_GROUP
     return _lookup(key) if _flag("check_initialized", check_initialized) else _A.get(key)
 
 
 # WorldFoundry puts check_initialized first; same answers as parallel_state.get_tp_group, as fast.
-get_tp_group = _compile(_get_tp_group, {"default": "tp.group", "cp": "tp-cp.group"}, name="get_tp_group")
+get_tp_group = _compile(_get_tp_group, {"default": _TP_GROUP, "cp": _TP_CP_GROUP}, name="get_tp_group")
 
 
 def _get_tensor_model_parallel_src_rank(with_context_parallel: bool = False) -> int:
     """First global rank of this rank's tensor-parallel group (tp x cp with ``with_context_parallel``)."""
-    return _lookup("tp-cp.src" if _flag("with_context_parallel", with_context_parallel) else "tp.src")
+    return _lookup(_TP_CP_SRC if _flag("with_context_parallel", with_context_parallel) else _TP_SRC)
 
 
 # WorldFoundry's extension of megatron-core's accessor (which takes no argument), positional as there.
 get_tensor_model_parallel_src_rank = _compile(
-    _get_tensor_model_parallel_src_rank, {"default": "tp.src", "cp": "tp-cp.src"},
+    _get_tensor_model_parallel_src_rank, {"default": _TP_SRC, "cp": _TP_CP_SRC},
     name="get_tensor_model_parallel_src_rank")
 
 

@@ -1,6 +1,7 @@
 """Layer 1, topology: pure arithmetic, no ``torch.distributed``.
 
-The rank grid and its group kinds (``grid``, ``plan``), megatron-core's ``RankGenerator``
+The rank grid and its group kinds (``grid``, ``kinds``, ``plan``), the answers' keys (``answer_keys``),
+the base of every closed set of names (``str_enum``), megatron-core's ``RankGenerator``
 (``rank_generator``), ``find_split``'s divisibility rule (``split``), the context-parallel
 planner and the uneven-shard rule (``cp_plan``), attention masks as values
 (``attention_mask``), the load-balanced assignment of a masked sequence's tokens to cp ranks
