@@ -1,197 +1,1230 @@
-"""megatron-core's parallel-state accessors, each a lookup in the precomputed answers.
+"""megatron-core's parallel-state accessors: each answer precomputed, a call one global read.
 
 The answers (``parallel_state.megatron.answers``) are computed when the groups are built and when an
-override changes, so a call costs one dict lookup; arguments are validated only off the
-default path. Most accessors repeat one of a few shapes and are made by the factories below,
-one line each, with megatron-core's parameter names and defaults. Where the parameters differ
-between megatron-core releases, the reference below takes every release's, without defaults: the
-accessor's signature (exactly the release in use's parameters, in its order, with their defaults)
-is the release table's (``release_table.SIGNATURES``), and its fast twin (``compiled``) passes
-every argument to the reference by keyword, the other releases' at their defaults.
+override changes. An accessor runs per layer and per micro-batch, so most are written to cost what
+megatron-core's own cost (``assert _GROUP is not None; return _GROUP``): a global of this module read.
+Those are written by ``python -m parallel_state.tools.generate`` (the region below) from their
+rules (``accessor_keys``: which answer each returns for its flags, with its docstring) and the
+release table (the parameters of the release in use, exactly, in its order): each tests its flags,
+one after another (a flag at False by truth, as megatron-core tests it; True with ``is``), and
+returns the global holding that answer. ``refresh`` sets those globals from the answers after every
+change of the state and removes those with no answer (nothing initialized, a kind not built): the
+read then raises NameError and, like any other argument values, the call goes to
+``accessor_keys.answer``, which checks the arguments and answers or explains. ``check_initialized``
+is never tested on the fast path: it decides only what happens without an answer.
+
+Why globals and plain parameters: a global read is what megatron-core's accessors cost, while a
+closure pays to copy its cells into every call's frame (3 to 6 ns more per call on this project's
+2-CPU machine, ``python -m benchmarks.bench_accessors``); and CPython specializes a call only to a
+function without ``*args``, ``**kwargs`` or keyword-only parameters, so an accessor takes none of
+another release's parameters (about 30 ns more per call otherwise, ``--direct``). Only for a release
+parallel_state does not know does one keep them (every known release's keywords, keyword-only,
+after the shared positions).
+
+The accessors whose answer depends on more than their flags (pipeline stages with ``vp_stage``, the
+hybrid groups, the deprecated names that warn) and the ``set_*`` overrides are written by hand below.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 from parallel_state.errors import ParallelStateAssertionError
 from parallel_state.groups import state as _st
+from parallel_state.megatron.accessor_keys import answer
 from parallel_state.megatron.answers import ANSWERS as _A
 from parallel_state.megatron.answers import lookup as _lookup
-from parallel_state.megatron.compiled import compile_accessor
+from parallel_state.topology import releases
 from parallel_state.topology.arguments import flag, non_negative_int, positive_int
 
-#: reference accessor -> its fast path (variant -> answer key), compiled at the end of the module.
-_FAST: dict[Callable[..., Any], dict[str, str]] = {}
+# <generated: accessors> by `python -m parallel_state.tools.generate` from accessor_keys.RULES and the release table
+#: Each global an accessor reads on its fast path, and the answer it holds (``refresh`` sets them).
+VARIABLES: dict[str, str] = {
+    "_INITIALIZED": "initialized",
+    "_TP_PP_GROUP": "tp-pp.group",
+    "_TP_GROUP": "tp.group",
+    "_PP_GROUP": "pp.group",
+    "_CP_GROUP": "cp.group",
+    "_TP_CP_GROUP": "tp-cp.group",
+    "_EMBD_GROUP": "embd.group",
+    "_POS_EMBD_GROUP": "pos-embd.group",
+    "_CP_RANKS": "cp.ranks",
+    "_HCP_GROUPS": "hcp.groups",
+    "_EP_GROUP": "ep.group",
+    "_ETP_GROUP": "etp.group",
+    "_ETP_EP_GROUP": "etp-ep.group",
+    "_GTP_GROUP": "gtp.group",
+    "_GTP_RANKS": "gtp.ranks",
+    "_EGTP_GROUP": "egtp.group",
+    "_EGTP_RANKS": "egtp.ranks",
+    "_ETP_EP_PP_GROUP": "etp-ep-pp.group",
+    "_ETP_EP_EGTP_PP_GROUP": "etp-ep-egtp-pp.group",
+    "_DIST_OPT_GROUP": "dist-opt.group",
+    "_EDP_INTER_GROUP": "edp-inter.group",
+    "_GTP_DP_GROUP": "gtp-dp.group",
+    "_GTP_DP_CP_GROUP": "gtp-dp-cp.group",
+    "_DP_CP_AG_GROUP": "dp-cp-ag.group",
+    "_GTP_DP_CP_INTRA_GROUP": "gtp-dp-cp-intra.group",
+    "_DP_GROUP": "dp.group",
+    "_DP_CP_GROUP": "dp-cp.group",
+    "_DP_CP_INTRA_GROUP": "dp-cp-intra.group",
+    "_DP_CP_AG_EXISTS": "dp-cp-ag.exists",
+    "_DP_GLOO": "dp.gloo",
+    "_DP_CP_GLOO": "dp-cp.gloo",
+    "_DP_CP_INTRA_GLOO": "dp-cp-intra.gloo",
+    "_TP_DP_GROUP": "tp-dp.group",
+    "_TP_DP_CP_GROUP": "tp-dp-cp.group",
+    "_EGTP_EDP_GROUP": "egtp-edp.group",
+    "_EGTP_EDP_INTRA_GROUP": "egtp-edp-intra.group",
+    "_EDP_GROUP": "edp.group",
+    "_EDP_INTRA_GROUP": "edp-intra.group",
+    "_EDP_GLOO": "edp.gloo",
+    "_EDP_INTRA_GLOO": "edp-intra.gloo",
+    "_TP_SIZE": "tp.size",
+    "_TP_RANK": "tp.rank",
+    "_PP_SIZE": "pp.size",
+    "_PP_RANK": "pp.rank",
+    "_CP_SIZE": "cp.size",
+    "_CP_RANK": "cp.rank",
+    "_TP_CP_SIZE": "tp-cp.size",
+    "_TP_CP_RANK": "tp-cp.rank",
+    "_GTP_DP_SIZE": "gtp-dp.size",
+    "_GTP_DP_CP_SIZE": "gtp-dp-cp.size",
+    "_GTP_DP_CP_INTRA_SIZE": "gtp-dp-cp-intra.size",
+    "_DP_SIZE": "dp.size",
+    "_DP_CP_SIZE": "dp-cp.size",
+    "_DP_CP_INTRA_SIZE": "dp-cp-intra.size",
+    "_GTP_DP_RANK": "gtp-dp.rank",
+    "_GTP_DP_CP_RANK": "gtp-dp-cp.rank",
+    "_GTP_DP_CP_INTRA_RANK": "gtp-dp-cp-intra.rank",
+    "_DP_RANK": "dp.rank",
+    "_DP_CP_RANK": "dp-cp.rank",
+    "_DP_CP_INTRA_RANK": "dp-cp-intra.rank",
+    "_EP_SIZE": "ep.size",
+    "_EP_RANK": "ep.rank",
+    "_ETP_SIZE": "etp.size",
+    "_ETP_RANK": "etp.rank",
+    "_ETP_EP_SIZE": "etp-ep.size",
+    "_ETP_EP_RANK": "etp-ep.rank",
+    "_EGTP_EDP_SIZE": "egtp-edp.size",
+    "_EGTP_EDP_INTRA_SIZE": "egtp-edp-intra.size",
+    "_EDP_SIZE": "edp.size",
+    "_EDP_INTRA_SIZE": "edp-intra.size",
+    "_EGTP_EDP_RANK": "egtp-edp.rank",
+    "_EGTP_EDP_INTRA_RANK": "egtp-edp-intra.rank",
+    "_EDP_RANK": "edp.rank",
+    "_EDP_INTRA_RANK": "edp-intra.rank",
+    "_GTP_SIZE": "gtp.size",
+    "_GTP_RANK": "gtp.rank",
+    "_EGTP_SIZE": "egtp.size",
+    "_EGTP_RANK": "egtp.rank",
+    "_VPP_SIZE": "vpp.size",
+    "_VPP_RANK": "vpp.rank",
+    "_TP_PP_SRC": "tp-pp.src",
+    "_EP_SRC": "ep.src",
+    "_PP_FIRST": "pp.first",
+    "_PP_LAST": "pp.last",
+    "_PP_NEXT": "pp.next",
+    "_PP_PREV": "pp.prev",
+    "_ALL_RANKS": "all_ranks",
+    "_TP_SRC": "tp.src",
+    "_DP_SRC": "dp.src",
+    "_DP_CP_SRC": "dp-cp.src",
+    "_POS_EMBD_IN": "pos-embd.in",
+    "_TP_RANKS": "tp.ranks",
+    "_TP_CP_RANKS": "tp-cp.ranks",
+}
 
-
-def _fast(fn: Callable[..., Any], **variants: str) -> Callable[..., Any]:
-    """Record ``fn``'s fast path: ``default=KEY`` for its default arguments; ``cp``, ``cp_partial``,
-    ``cp_all_gather``, ``partial``, ``tp_only``, ``cp_tp_only`` for those flags turned on (see ``compiled``)."""
-    _FAST[fn] = variants
-    return fn
-
-
-def _value(key: str, doc: str) -> Callable[[], Any]:
-    def get() -> Any:
-        return _lookup(key)
-
-    get.__doc__ = doc
-    return _fast(get, default=key)
-
-
-def _group(key: str, doc: str) -> Callable[..., Any]:
-    def get(check_initialized: bool = True) -> Any:
-        if check_initialized is True:
-            return _lookup(key)
-        return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
-
-    get.__doc__ = doc
-    return _fast(get, default=key)
-
-
-def _dp_key(what: str, with_context_parallel: Any, partial_data_parallel: Any, with_gtp_remat: Any = True) -> str:
-    """The answer key of a data-parallel accessor; ``with_gtp_remat`` (0.19, default True) spans gtp_remat."""
-    full = "gtp-" if flag("with_gtp_remat", with_gtp_remat) else ""
-    if flag("with_context_parallel", with_context_parallel):
-        partial = flag("partial_data_parallel", partial_data_parallel)
-        return f"{full}dp-cp-intra.{what}" if partial else f"{full}dp-cp.{what}"
-    if flag("partial_data_parallel", partial_data_parallel):
-        raise ParallelStateAssertionError(
-            "partial data parallelism (distributed-optimizer instances) includes context parallelism: "
-            "pass with_context_parallel=True together with partial_data_parallel=True"
-        )
-    return f"{full}dp.{what}"
-
-
-def _dp_number(what: str, doc: str) -> Callable[..., int]:
-    def get(with_context_parallel: bool, with_gtp_remat: bool, partial_data_parallel: bool) -> int:
-        return _lookup(_dp_key(what, with_context_parallel, partial_data_parallel, with_gtp_remat))
-
-    get.__doc__ = doc
-    return _fast(get, default=f"gtp-dp.{what}", cp=f"gtp-dp-cp.{what}", cp_partial=f"gtp-dp-cp-intra.{what}")
-
-
-def _edp_key(what: str, with_gtp_remat: Any, partial_expert_data_parallel: Any) -> str:
-    full = "egtp-" if flag("with_gtp_remat", with_gtp_remat) else ""
-    partial = flag("partial_expert_data_parallel", partial_expert_data_parallel)
-    return f"{full}edp-intra.{what}" if partial else f"{full}edp.{what}"
-
-
-def _edp_number(what: str, doc: str) -> Callable[..., int]:
-    def get(with_gtp_remat: bool, partial_expert_data_parallel: bool) -> int:
-        return _lookup(_edp_key(what, with_gtp_remat, partial_expert_data_parallel))
-
-    get.__doc__ = doc
-    return _fast(get, default=f"egtp-edp.{what}", partial=f"egtp-edp-intra.{what}")
-
-
-def _setter(key: str, param: str) -> Callable[[Any], None]:
-    # megatron-core's parameter names (rank / world_size), so keyword calls keep working.
-    def set_rank(rank: int | None) -> None:
-        _st.set_override(key, None if rank is None else non_negative_int(key, rank))
-
-    def set_world_size(world_size: int | None) -> None:
-        _st.set_override(key, None if world_size is None else positive_int(key, world_size))
-
-    set_ = set_rank if param == "rank" else set_world_size
-    set_.__doc__ = f"Override the {key.replace('_', ' ')} (megatron-core's testing hook); None clears it."
-    return set_
-
-
-# --- lifecycle -------------------------------------------------------------------------------
 
 def is_initialized() -> bool:
     """Whether the model-parallel groups exist (megatron-core: the data-parallel group is set)."""
-    return "initialized" in _A
+    try:
+        return _INITIALIZED
+    except NameError:
+        return answer("is_initialized")
 
 
 def model_parallel_is_initialized() -> bool:
     """Whether the tensor-, pipeline- and data-parallel groups exist."""
-    return "initialized" in _A
+    try:
+        return _INITIALIZED
+    except NameError:
+        return answer("model_parallel_is_initialized")
 
+
+def get_model_parallel_group(check_initialized: bool = True) -> Any:
+    """This rank's model-parallel (tp x pp) group."""
+    try:
+        return _TP_PP_GROUP
+    except NameError:
+        return answer("get_model_parallel_group", check_initialized=check_initialized)
+
+
+def get_tensor_model_parallel_group(check_initialized: bool = True) -> Any:
+    """This rank's tensor-model-parallel group."""
+    try:
+        return _TP_GROUP
+    except NameError:
+        return answer("get_tensor_model_parallel_group", check_initialized=check_initialized)
+
+
+def get_pipeline_model_parallel_group(check_initialized: bool = True) -> Any:
+    """This rank's pipeline-model-parallel group."""
+    try:
+        return _PP_GROUP
+    except NameError:
+        return answer("get_pipeline_model_parallel_group", check_initialized=check_initialized)
+
+
+def get_context_parallel_group(check_initialized: bool = True) -> Any:
+    """This rank's context-parallel group."""
+    try:
+        return _CP_GROUP
+    except NameError:
+        return answer("get_context_parallel_group", check_initialized=check_initialized)
+
+
+def get_tensor_and_context_parallel_group(check_initialized: bool = True) -> Any:
+    """This rank's tensor x context-parallel group."""
+    try:
+        return _TP_CP_GROUP
+    except NameError:
+        return answer("get_tensor_and_context_parallel_group", check_initialized=check_initialized)
+
+
+def get_embedding_group(check_initialized: bool = True) -> Any:
+    """This rank's embedding group (the stages holding word embeddings)."""
+    try:
+        return _EMBD_GROUP
+    except NameError:
+        return answer("get_embedding_group", check_initialized=check_initialized)
+
+
+def get_position_embedding_group(check_initialized: bool = True) -> Any:
+    """This rank's position-embedding group."""
+    try:
+        return _POS_EMBD_GROUP
+    except NameError:
+        return answer("get_position_embedding_group", check_initialized=check_initialized)
+
+
+def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[int]:
+    """Global ranks of this rank's context-parallel group."""
+    try:
+        return _CP_RANKS
+    except NameError:
+        return answer("get_context_parallel_global_ranks", check_initialized=check_initialized)
+
+
+def get_hierarchical_context_parallel_groups(check_initialized: bool = True) -> list[Any]:
+    """This rank's hierarchical context-parallel groups, innermost level first."""
+    try:
+        return _HCP_GROUPS
+    except NameError:
+        return answer("get_hierarchical_context_parallel_groups", check_initialized=check_initialized)
+
+
+def get_expert_model_parallel_group(check_initialized: bool = True) -> Any:
+    """This rank's expert-model-parallel group."""
+    try:
+        return _EP_GROUP
+    except NameError:
+        return answer("get_expert_model_parallel_group", check_initialized=check_initialized)
+
+
+def get_expert_tensor_parallel_group(check_initialized: bool = True) -> Any:
+    """This rank's expert-tensor-parallel group."""
+    try:
+        return _ETP_GROUP
+    except NameError:
+        return answer("get_expert_tensor_parallel_group", check_initialized=check_initialized)
+
+
+def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True) -> Any:
+    """This rank's expert tp x ep group."""
+    try:
+        return _ETP_EP_GROUP
+    except NameError:
+        return answer("get_expert_tensor_and_model_parallel_group", check_initialized=check_initialized)
+
+
+def get_gtp_weight_remat_group(check_initialized: bool = True) -> Any:
+    """This rank's generalized tensor-parallel (gtp_remat) weight-sharding group (megatron-core 0.19)."""
+    try:
+        return _GTP_GROUP
+    except NameError:
+        return answer("get_gtp_weight_remat_group", check_initialized=check_initialized)
+
+
+def get_gtp_weight_remat_global_ranks(check_initialized: bool = True) -> list[int]:
+    """Global ranks of this rank's gtp_remat group."""
+    try:
+        return _GTP_RANKS
+    except NameError:
+        return answer("get_gtp_weight_remat_global_ranks", check_initialized=check_initialized)
+
+
+def get_expert_gtp_weight_remat_group(check_initialized: bool = True) -> Any:
+    """This rank's expert gtp_remat weight-sharding group (megatron-core 0.19)."""
+    try:
+        return _EGTP_GROUP
+    except NameError:
+        return answer("get_expert_gtp_weight_remat_group", check_initialized=check_initialized)
+
+
+def get_expert_gtp_weight_remat_global_ranks(check_initialized: bool = True) -> list[int]:
+    """Global ranks of this rank's expert gtp_remat group."""
+    try:
+        return _EGTP_RANKS
+    except NameError:
+        return answer("get_expert_gtp_weight_remat_global_ranks", check_initialized=check_initialized)
+
+
+if releases.in_use() in ("0.16", "0.17", "0.18"):
+    def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True) -> Any:
+        """This rank's expert tp x ep x pp group (merged across expert gtp_remat peers with ``with_egtp_remat``)."""
+        try:
+            return _ETP_EP_PP_GROUP
+        except NameError:
+            return answer("get_expert_tensor_model_pipeline_parallel_group", check_initialized=check_initialized)
+elif releases.in_use() == "0.19":
+    def get_expert_tensor_model_pipeline_parallel_group(
+        check_initialized: bool = True, with_egtp_remat: bool = False,
+    ) -> Any:
+        """This rank's expert tp x ep x pp group (merged across expert gtp_remat peers with ``with_egtp_remat``)."""
+        try:
+            if not with_egtp_remat:
+                return _ETP_EP_PP_GROUP
+            elif with_egtp_remat is True:
+                return _ETP_EP_EGTP_PP_GROUP
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_expert_tensor_model_pipeline_parallel_group", check_initialized=check_initialized,
+            with_egtp_remat=with_egtp_remat,
+        )
+else:  # any release parallel_state does not know
+    def get_expert_tensor_model_pipeline_parallel_group(
+        check_initialized: bool = True, *beyond, with_egtp_remat: bool = False,
+    ) -> Any:
+        """This rank's expert tp x ep x pp group (merged across expert gtp_remat peers with ``with_egtp_remat``)."""
+        if beyond:
+            releases.refuse("get_expert_tensor_model_pipeline_parallel_group()", 1, len(beyond))
+        try:
+            if not with_egtp_remat:
+                return _ETP_EP_PP_GROUP
+            elif with_egtp_remat is True:
+                return _ETP_EP_EGTP_PP_GROUP
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_expert_tensor_model_pipeline_parallel_group", check_initialized=check_initialized,
+            with_egtp_remat=with_egtp_remat,
+        )
+
+
+def get_intra_distributed_optimizer_instance_group(check_initialized: bool = True) -> Any:
+    """The group of every rank in this rank's distributed-optimizer instance."""
+    try:
+        return _DIST_OPT_GROUP
+    except NameError:
+        return answer("get_intra_distributed_optimizer_instance_group", check_initialized=check_initialized)
+
+
+def get_inter_distributed_optimizer_instance_group(check_initialized: bool = True) -> Any:
+    """The group spanning the distributed-optimizer instances (one rank of each)."""
+    try:
+        return _EDP_INTER_GROUP
+    except NameError:
+        return answer("get_inter_distributed_optimizer_instance_group", check_initialized=check_initialized)
+
+
+if releases.in_use() in ("0.16", "0.17"):
+    def get_data_parallel_group(
+        with_context_parallel: bool = False, partial_data_parallel: bool = False, independent_all_gather: bool = False,
+    ) -> Any:
+        """This rank's data-parallel group: dp x cp with ``with_context_parallel``; spanning gtp_remat unless
+        ``with_gtp_remat=False`` (0.19: the replicate group); its instance's part, or 0.16/0.17's separate
+        all-gather group, on request.
+        """
+        try:
+            if not with_context_parallel:
+                if not partial_data_parallel:
+                    if not independent_all_gather:
+                        return _GTP_DP_GROUP
+                    elif independent_all_gather is True:
+                        return _GTP_DP_GROUP
+            elif with_context_parallel is True:
+                if not partial_data_parallel:
+                    if not independent_all_gather:
+                        return _GTP_DP_CP_GROUP
+                    elif independent_all_gather is True:
+                        return _DP_CP_AG_GROUP
+                elif partial_data_parallel is True:
+                    if not independent_all_gather:
+                        return _GTP_DP_CP_INTRA_GROUP
+                    elif independent_all_gather is True:
+                        return _GTP_DP_CP_INTRA_GROUP
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_group", with_context_parallel=with_context_parallel,
+            partial_data_parallel=partial_data_parallel, independent_all_gather=independent_all_gather,
+        )
+elif releases.in_use() == "0.18":
+    def get_data_parallel_group(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> Any:
+        """This rank's data-parallel group: dp x cp with ``with_context_parallel``; spanning gtp_remat unless
+        ``with_gtp_remat=False`` (0.19: the replicate group); its instance's part, or 0.16/0.17's separate
+        all-gather group, on request.
+        """
+        try:
+            if not with_context_parallel:
+                if not partial_data_parallel:
+                    return _GTP_DP_GROUP
+            elif with_context_parallel is True:
+                if not partial_data_parallel:
+                    return _GTP_DP_CP_GROUP
+                elif partial_data_parallel is True:
+                    return _GTP_DP_CP_INTRA_GROUP
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_group", with_context_parallel=with_context_parallel,
+            partial_data_parallel=partial_data_parallel,
+        )
+elif releases.in_use() == "0.19":
+    def get_data_parallel_group(
+        with_context_parallel: bool = False, with_gtp_remat: bool = True, partial_data_parallel: bool = False,
+    ) -> Any:
+        """This rank's data-parallel group: dp x cp with ``with_context_parallel``; spanning gtp_remat unless
+        ``with_gtp_remat=False`` (0.19: the replicate group); its instance's part, or 0.16/0.17's separate
+        all-gather group, on request.
+        """
+        try:
+            if not with_context_parallel:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_GROUP
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_GROUP
+            elif with_context_parallel is True:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_CP_GROUP
+                    elif partial_data_parallel is True:
+                        return _GTP_DP_CP_INTRA_GROUP
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_CP_GROUP
+                    elif partial_data_parallel is True:
+                        return _DP_CP_INTRA_GROUP
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_group", with_context_parallel=with_context_parallel, with_gtp_remat=with_gtp_remat,
+            partial_data_parallel=partial_data_parallel,
+        )
+else:  # any release parallel_state does not know
+    def get_data_parallel_group(
+        with_context_parallel: bool = False, *beyond, with_gtp_remat: bool = True, partial_data_parallel: bool = False,
+        independent_all_gather: bool = False,
+    ) -> Any:
+        """This rank's data-parallel group: dp x cp with ``with_context_parallel``; spanning gtp_remat unless
+        ``with_gtp_remat=False`` (0.19: the replicate group); its instance's part, or 0.16/0.17's separate
+        all-gather group, on request.
+        """
+        if beyond:
+            releases.refuse("get_data_parallel_group()", 1, len(beyond))
+        try:
+            if not with_context_parallel:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        if not independent_all_gather:
+                            return _GTP_DP_GROUP
+                        elif independent_all_gather is True:
+                            return _GTP_DP_GROUP
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        if not independent_all_gather:
+                            return _DP_GROUP
+                        elif independent_all_gather is True:
+                            return _DP_GROUP
+            elif with_context_parallel is True:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        if not independent_all_gather:
+                            return _GTP_DP_CP_GROUP
+                        elif independent_all_gather is True:
+                            return _DP_CP_AG_GROUP
+                    elif partial_data_parallel is True:
+                        if not independent_all_gather:
+                            return _GTP_DP_CP_INTRA_GROUP
+                        elif independent_all_gather is True:
+                            return _GTP_DP_CP_INTRA_GROUP
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        if not independent_all_gather:
+                            return _DP_CP_GROUP
+                        elif independent_all_gather is True:
+                            return _DP_CP_AG_GROUP
+                    elif partial_data_parallel is True:
+                        if not independent_all_gather:
+                            return _DP_CP_INTRA_GROUP
+                        elif independent_all_gather is True:
+                            return _DP_CP_INTRA_GROUP
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_group", with_context_parallel=with_context_parallel, with_gtp_remat=with_gtp_remat,
+            partial_data_parallel=partial_data_parallel, independent_all_gather=independent_all_gather,
+        )
+
+
+def has_separate_all_gather_group() -> bool:
+    """Whether initialize made a separate dp x cp group for all-gathers (create_all_gather_group=True)."""
+    try:
+        return _DP_CP_AG_EXISTS
+    except NameError:
+        return answer("has_separate_all_gather_group")
+
+
+def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> Any:
+    """This rank's gloo data-parallel group (dp x cp with ``with_context_parallel``)."""
+    try:
+        if not with_context_parallel:
+            if not partial_data_parallel:
+                return _DP_GLOO
+        elif with_context_parallel is True:
+            if not partial_data_parallel:
+                return _DP_CP_GLOO
+            elif partial_data_parallel is True:
+                return _DP_CP_INTRA_GLOO
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer(
+        "get_data_parallel_group_gloo", with_context_parallel=with_context_parallel,
+        partial_data_parallel=partial_data_parallel,
+    )
+
+
+def get_tensor_and_data_parallel_group(check_initialized: bool = True, with_context_parallel: bool = False) -> Any:
+    """This rank's tp x dp group (tp x dp x cp with ``with_context_parallel``)."""
+    try:
+        if not with_context_parallel:
+            return _TP_DP_GROUP
+        elif with_context_parallel is True:
+            return _TP_DP_CP_GROUP
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer(
+        "get_tensor_and_data_parallel_group", check_initialized=check_initialized,
+        with_context_parallel=with_context_parallel,
+    )
+
+
+def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_red: bool = False) -> Any:
+    """The FP8 amax-reduction group: tp x dp (x cp), or tp (x cp) with ``tp_only_amax_red``."""
+    try:
+        if not with_context_parallel:
+            if not tp_only_amax_red:
+                return _TP_DP_GROUP
+            elif tp_only_amax_red is True:
+                return _TP_GROUP
+        elif with_context_parallel is True:
+            if not tp_only_amax_red:
+                return _TP_DP_CP_GROUP
+            elif tp_only_amax_red is True:
+                return _TP_CP_GROUP
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer(
+        "get_amax_reduction_group", with_context_parallel=with_context_parallel, tp_only_amax_red=tp_only_amax_red,
+    )
+
+
+if releases.in_use() in ("0.16", "0.17", "0.18"):
+    def get_expert_data_parallel_group(
+        check_initialized: bool = True, partial_expert_data_parallel: bool = False,
+    ) -> Any:
+        """This rank's expert data-parallel group: spanning expert gtp_remat unless ``with_gtp_remat=False``
+        (0.19: the replicate group); its instance's part with ``partial_expert_data_parallel``.
+        """
+        try:
+            if not partial_expert_data_parallel:
+                return _EGTP_EDP_GROUP
+            elif partial_expert_data_parallel is True:
+                return _EGTP_EDP_INTRA_GROUP
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_expert_data_parallel_group", check_initialized=check_initialized,
+            partial_expert_data_parallel=partial_expert_data_parallel,
+        )
+elif releases.in_use() == "0.19":
+    def get_expert_data_parallel_group(
+        check_initialized: bool = True, with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False,
+    ) -> Any:
+        """This rank's expert data-parallel group: spanning expert gtp_remat unless ``with_gtp_remat=False``
+        (0.19: the replicate group); its instance's part with ``partial_expert_data_parallel``.
+        """
+        try:
+            if with_gtp_remat is True:
+                if not partial_expert_data_parallel:
+                    return _EGTP_EDP_GROUP
+                elif partial_expert_data_parallel is True:
+                    return _EGTP_EDP_INTRA_GROUP
+            elif not with_gtp_remat:
+                if not partial_expert_data_parallel:
+                    return _EDP_GROUP
+                elif partial_expert_data_parallel is True:
+                    return _EDP_INTRA_GROUP
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_expert_data_parallel_group", check_initialized=check_initialized, with_gtp_remat=with_gtp_remat,
+            partial_expert_data_parallel=partial_expert_data_parallel,
+        )
+else:  # any release parallel_state does not know
+    def get_expert_data_parallel_group(
+        check_initialized: bool = True, *beyond, with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False,
+    ) -> Any:
+        """This rank's expert data-parallel group: spanning expert gtp_remat unless ``with_gtp_remat=False``
+        (0.19: the replicate group); its instance's part with ``partial_expert_data_parallel``.
+        """
+        if beyond:
+            releases.refuse("get_expert_data_parallel_group()", 1, len(beyond))
+        try:
+            if with_gtp_remat is True:
+                if not partial_expert_data_parallel:
+                    return _EGTP_EDP_GROUP
+                elif partial_expert_data_parallel is True:
+                    return _EGTP_EDP_INTRA_GROUP
+            elif not with_gtp_remat:
+                if not partial_expert_data_parallel:
+                    return _EDP_GROUP
+                elif partial_expert_data_parallel is True:
+                    return _EDP_INTRA_GROUP
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_expert_data_parallel_group", check_initialized=check_initialized, with_gtp_remat=with_gtp_remat,
+            partial_expert_data_parallel=partial_expert_data_parallel,
+        )
+
+
+def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False) -> Any:
+    """This rank's gloo expert data-parallel group."""
+    try:
+        if not partial_expert_data_parallel:
+            return _EDP_GLOO
+        elif partial_expert_data_parallel is True:
+            return _EDP_INTRA_GLOO
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer("get_expert_data_parallel_group_gloo", partial_expert_data_parallel=partial_expert_data_parallel)
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    """Number of ranks in this rank's tensor-parallel group."""
+    try:
+        return _TP_SIZE
+    except NameError:
+        return answer("get_tensor_model_parallel_world_size")
+
+
+def get_tensor_model_parallel_rank() -> int:
+    """This rank's index in its tensor-parallel group."""
+    try:
+        return _TP_RANK
+    except NameError:
+        return answer("get_tensor_model_parallel_rank")
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    """Number of pipeline stages."""
+    try:
+        return _PP_SIZE
+    except NameError:
+        return answer("get_pipeline_model_parallel_world_size")
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    """This rank's pipeline stage."""
+    try:
+        return _PP_RANK
+    except NameError:
+        return answer("get_pipeline_model_parallel_rank")
+
+
+def get_context_parallel_world_size() -> int:
+    """Number of ranks in this rank's context-parallel group."""
+    try:
+        return _CP_SIZE
+    except NameError:
+        return answer("get_context_parallel_world_size")
+
+
+def get_context_parallel_rank() -> int:
+    """This rank's index in its context-parallel group."""
+    try:
+        return _CP_RANK
+    except NameError:
+        return answer("get_context_parallel_rank")
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    """Number of ranks in this rank's tp x cp group."""
+    try:
+        return _TP_CP_SIZE
+    except NameError:
+        return answer("get_tensor_and_context_parallel_world_size")
+
+
+def get_tensor_and_context_parallel_rank() -> int:
+    """This rank's index in its tp x cp group."""
+    try:
+        return _TP_CP_RANK
+    except NameError:
+        return answer("get_tensor_and_context_parallel_rank")
+
+
+if releases.in_use() in ("0.16", "0.17", "0.18"):
+    def get_data_parallel_world_size(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+        """Number of ranks in this rank's data-parallel group."""
+        try:
+            if not with_context_parallel:
+                if not partial_data_parallel:
+                    return _GTP_DP_SIZE
+            elif with_context_parallel is True:
+                if not partial_data_parallel:
+                    return _GTP_DP_CP_SIZE
+                elif partial_data_parallel is True:
+                    return _GTP_DP_CP_INTRA_SIZE
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_world_size", with_context_parallel=with_context_parallel,
+            partial_data_parallel=partial_data_parallel,
+        )
+elif releases.in_use() == "0.19":
+    def get_data_parallel_world_size(
+        with_context_parallel: bool = False, with_gtp_remat: bool = True, partial_data_parallel: bool = False,
+    ) -> int:
+        """Number of ranks in this rank's data-parallel group."""
+        try:
+            if not with_context_parallel:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_SIZE
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_SIZE
+            elif with_context_parallel is True:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_CP_SIZE
+                    elif partial_data_parallel is True:
+                        return _GTP_DP_CP_INTRA_SIZE
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_CP_SIZE
+                    elif partial_data_parallel is True:
+                        return _DP_CP_INTRA_SIZE
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_world_size", with_context_parallel=with_context_parallel, with_gtp_remat=with_gtp_remat,
+            partial_data_parallel=partial_data_parallel,
+        )
+else:  # any release parallel_state does not know
+    def get_data_parallel_world_size(
+        with_context_parallel: bool = False, *beyond, with_gtp_remat: bool = True, partial_data_parallel: bool = False,
+    ) -> int:
+        """Number of ranks in this rank's data-parallel group."""
+        if beyond:
+            releases.refuse("get_data_parallel_world_size()", 1, len(beyond))
+        try:
+            if not with_context_parallel:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_SIZE
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_SIZE
+            elif with_context_parallel is True:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_CP_SIZE
+                    elif partial_data_parallel is True:
+                        return _GTP_DP_CP_INTRA_SIZE
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_CP_SIZE
+                    elif partial_data_parallel is True:
+                        return _DP_CP_INTRA_SIZE
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_world_size", with_context_parallel=with_context_parallel, with_gtp_remat=with_gtp_remat,
+            partial_data_parallel=partial_data_parallel,
+        )
+
+
+if releases.in_use() in ("0.16", "0.17", "0.18"):
+    def get_data_parallel_rank(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+        """This rank's index in its data-parallel group."""
+        try:
+            if not with_context_parallel:
+                if not partial_data_parallel:
+                    return _GTP_DP_RANK
+            elif with_context_parallel is True:
+                if not partial_data_parallel:
+                    return _GTP_DP_CP_RANK
+                elif partial_data_parallel is True:
+                    return _GTP_DP_CP_INTRA_RANK
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_rank", with_context_parallel=with_context_parallel,
+            partial_data_parallel=partial_data_parallel,
+        )
+elif releases.in_use() == "0.19":
+    def get_data_parallel_rank(
+        with_context_parallel: bool = False, with_gtp_remat: bool = True, partial_data_parallel: bool = False,
+    ) -> int:
+        """This rank's index in its data-parallel group."""
+        try:
+            if not with_context_parallel:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_RANK
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_RANK
+            elif with_context_parallel is True:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_CP_RANK
+                    elif partial_data_parallel is True:
+                        return _GTP_DP_CP_INTRA_RANK
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_CP_RANK
+                    elif partial_data_parallel is True:
+                        return _DP_CP_INTRA_RANK
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_rank", with_context_parallel=with_context_parallel, with_gtp_remat=with_gtp_remat,
+            partial_data_parallel=partial_data_parallel,
+        )
+else:  # any release parallel_state does not know
+    def get_data_parallel_rank(
+        with_context_parallel: bool = False, *beyond, with_gtp_remat: bool = True, partial_data_parallel: bool = False,
+    ) -> int:
+        """This rank's index in its data-parallel group."""
+        if beyond:
+            releases.refuse("get_data_parallel_rank()", 1, len(beyond))
+        try:
+            if not with_context_parallel:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_RANK
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_RANK
+            elif with_context_parallel is True:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_CP_RANK
+                    elif partial_data_parallel is True:
+                        return _GTP_DP_CP_INTRA_RANK
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_CP_RANK
+                    elif partial_data_parallel is True:
+                        return _DP_CP_INTRA_RANK
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_rank", with_context_parallel=with_context_parallel, with_gtp_remat=with_gtp_remat,
+            partial_data_parallel=partial_data_parallel,
+        )
+
+
+def get_expert_model_parallel_world_size() -> int:
+    """Number of ranks in this rank's expert-parallel group."""
+    try:
+        return _EP_SIZE
+    except NameError:
+        return answer("get_expert_model_parallel_world_size")
+
+
+def get_expert_model_parallel_rank() -> int:
+    """This rank's index in its expert-parallel group."""
+    try:
+        return _EP_RANK
+    except NameError:
+        return answer("get_expert_model_parallel_rank")
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    """Number of ranks in this rank's expert-tensor group."""
+    try:
+        return _ETP_SIZE
+    except NameError:
+        return answer("get_expert_tensor_parallel_world_size")
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    """This rank's index in its expert-tensor-parallel group."""
+    try:
+        return _ETP_RANK
+    except NameError:
+        return answer("get_expert_tensor_parallel_rank")
+
+
+def get_expert_tensor_and_model_parallel_world_size() -> int:
+    """Size of this rank's expert tp x ep group."""
+    try:
+        return _ETP_EP_SIZE
+    except NameError:
+        return answer("get_expert_tensor_and_model_parallel_world_size")
+
+
+def get_expert_tensor_and_model_parallel_rank() -> int:
+    """This rank's index in its expert tp x ep group."""
+    try:
+        return _ETP_EP_RANK
+    except NameError:
+        return answer("get_expert_tensor_and_model_parallel_rank")
+
+
+if releases.in_use() in ("0.16", "0.17", "0.18"):
+    def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
+        """Number of ranks in this rank's expert data-parallel group."""
+        try:
+            if not partial_expert_data_parallel:
+                return _EGTP_EDP_SIZE
+            elif partial_expert_data_parallel is True:
+                return _EGTP_EDP_INTRA_SIZE
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer("get_expert_data_parallel_world_size", partial_expert_data_parallel=partial_expert_data_parallel)
+elif releases.in_use() == "0.19":
+    def get_expert_data_parallel_world_size(
+        with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False,
+    ) -> int:
+        """Number of ranks in this rank's expert data-parallel group."""
+        try:
+            if with_gtp_remat is True:
+                if not partial_expert_data_parallel:
+                    return _EGTP_EDP_SIZE
+                elif partial_expert_data_parallel is True:
+                    return _EGTP_EDP_INTRA_SIZE
+            elif not with_gtp_remat:
+                if not partial_expert_data_parallel:
+                    return _EDP_SIZE
+                elif partial_expert_data_parallel is True:
+                    return _EDP_INTRA_SIZE
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_expert_data_parallel_world_size", with_gtp_remat=with_gtp_remat,
+            partial_expert_data_parallel=partial_expert_data_parallel,
+        )
+else:  # any release parallel_state does not know
+    def get_expert_data_parallel_world_size(
+        *beyond, with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False,
+    ) -> int:
+        """Number of ranks in this rank's expert data-parallel group."""
+        if beyond:
+            releases.refuse("get_expert_data_parallel_world_size()", 0, len(beyond))
+        try:
+            if with_gtp_remat is True:
+                if not partial_expert_data_parallel:
+                    return _EGTP_EDP_SIZE
+                elif partial_expert_data_parallel is True:
+                    return _EGTP_EDP_INTRA_SIZE
+            elif not with_gtp_remat:
+                if not partial_expert_data_parallel:
+                    return _EDP_SIZE
+                elif partial_expert_data_parallel is True:
+                    return _EDP_INTRA_SIZE
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_expert_data_parallel_world_size", with_gtp_remat=with_gtp_remat,
+            partial_expert_data_parallel=partial_expert_data_parallel,
+        )
+
+
+if releases.in_use() in ("0.16", "0.17", "0.18"):
+    def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
+        """This rank's index in its expert data-parallel group."""
+        try:
+            if not partial_expert_data_parallel:
+                return _EGTP_EDP_RANK
+            elif partial_expert_data_parallel is True:
+                return _EGTP_EDP_INTRA_RANK
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer("get_expert_data_parallel_rank", partial_expert_data_parallel=partial_expert_data_parallel)
+elif releases.in_use() == "0.19":
+    def get_expert_data_parallel_rank(with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False) -> int:
+        """This rank's index in its expert data-parallel group."""
+        try:
+            if with_gtp_remat is True:
+                if not partial_expert_data_parallel:
+                    return _EGTP_EDP_RANK
+                elif partial_expert_data_parallel is True:
+                    return _EGTP_EDP_INTRA_RANK
+            elif not with_gtp_remat:
+                if not partial_expert_data_parallel:
+                    return _EDP_RANK
+                elif partial_expert_data_parallel is True:
+                    return _EDP_INTRA_RANK
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_expert_data_parallel_rank", with_gtp_remat=with_gtp_remat,
+            partial_expert_data_parallel=partial_expert_data_parallel,
+        )
+else:  # any release parallel_state does not know
+    def get_expert_data_parallel_rank(
+        *beyond, with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False,
+    ) -> int:
+        """This rank's index in its expert data-parallel group."""
+        if beyond:
+            releases.refuse("get_expert_data_parallel_rank()", 0, len(beyond))
+        try:
+            if with_gtp_remat is True:
+                if not partial_expert_data_parallel:
+                    return _EGTP_EDP_RANK
+                elif partial_expert_data_parallel is True:
+                    return _EGTP_EDP_INTRA_RANK
+            elif not with_gtp_remat:
+                if not partial_expert_data_parallel:
+                    return _EDP_RANK
+                elif partial_expert_data_parallel is True:
+                    return _EDP_INTRA_RANK
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_expert_data_parallel_rank", with_gtp_remat=with_gtp_remat,
+            partial_expert_data_parallel=partial_expert_data_parallel,
+        )
+
+
+def get_gtp_weight_remat_world_size() -> int:
+    """Number of ranks in this rank's gtp_remat group (0 without one)."""
+    try:
+        return _GTP_SIZE
+    except NameError:
+        return answer("get_gtp_weight_remat_world_size")
+
+
+def get_gtp_weight_remat_rank() -> int:
+    """This rank's index in its gtp_remat group (0 without one)."""
+    try:
+        return _GTP_RANK
+    except NameError:
+        return answer("get_gtp_weight_remat_rank")
+
+
+def get_expert_gtp_weight_remat_world_size() -> int:
+    """Number of ranks in this rank's expert gtp_remat group (0 without one)."""
+    try:
+        return _EGTP_SIZE
+    except NameError:
+        return answer("get_expert_gtp_weight_remat_world_size")
+
+
+def get_expert_gtp_weight_remat_rank() -> int:
+    """This rank's index in its expert gtp_remat group (0 without one)."""
+    try:
+        return _EGTP_RANK
+    except NameError:
+        return answer("get_expert_gtp_weight_remat_rank")
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> int | None:
+    """The interleaved schedule's number of model chunks per stage, or None."""
+    try:
+        return _VPP_SIZE
+    except NameError:
+        return answer("get_virtual_pipeline_model_parallel_world_size")
+
+
+def get_virtual_pipeline_model_parallel_rank() -> int | None:
+    """The interleaved schedule's current model chunk, or None."""
+    try:
+        return _VPP_RANK
+    except NameError:
+        return answer("get_virtual_pipeline_model_parallel_rank")
+
+
+def get_model_parallel_src_rank() -> int:
+    """Global rank of the first member of this rank's tp x pp group."""
+    try:
+        return _TP_PP_SRC
+    except NameError:
+        return answer("get_model_parallel_src_rank")
+
+
+def get_expert_model_parallel_src_rank() -> int:
+    """First global rank of this rank's expert-parallel group."""
+    try:
+        return _EP_SRC
+    except NameError:
+        return answer("get_expert_model_parallel_src_rank")
+
+
+def get_pipeline_model_parallel_first_rank() -> int:
+    """Global rank of the first stage of this rank's pipeline."""
+    try:
+        return _PP_FIRST
+    except NameError:
+        return answer("get_pipeline_model_parallel_first_rank")
+
+
+def get_pipeline_model_parallel_last_rank() -> int:
+    """Global rank of the last stage of this rank's pipeline."""
+    try:
+        return _PP_LAST
+    except NameError:
+        return answer("get_pipeline_model_parallel_last_rank")
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    """Global rank of the next stage; the last stage's next is the first (a ring)."""
+    try:
+        return _PP_NEXT
+    except NameError:
+        return answer("get_pipeline_model_parallel_next_rank")
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    """Global rank of the previous stage; the first stage's previous is the last (a ring)."""
+    try:
+        return _PP_PREV
+    except NameError:
+        return answer("get_pipeline_model_parallel_prev_rank")
+
+
+def get_all_ranks() -> str:
+    """This rank's tp, dp, cp, pp and ep ranks joined by '_' (megatron-core's format)."""
+    try:
+        return _ALL_RANKS
+    except NameError:
+        return answer("get_all_ranks")
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """First global rank of this rank's tensor-parallel group."""
+    try:
+        return _TP_SRC
+    except NameError:
+        return answer("get_tensor_model_parallel_src_rank")
+
+
+def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
+    """Global rank of the first member of this rank's data-parallel group."""
+    try:
+        if not with_context_parallel:
+            return _DP_SRC
+        elif with_context_parallel is True:
+            return _DP_CP_SRC
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer("get_data_parallel_src_rank", with_context_parallel=with_context_parallel)
+
+
+def is_rank_in_position_embedding_group() -> bool:
+    """Whether this rank holds position embeddings."""
+    try:
+        return _POS_EMBD_IN
+    except NameError:
+        return answer("is_rank_in_position_embedding_group")
+
+
+def get_tp_group(with_context_parallel: bool = False) -> Any:
+    """This rank's tensor-parallel group (tp x cp with ``with_context_parallel``)."""
+    try:
+        if not with_context_parallel:
+            return _TP_GROUP
+        elif with_context_parallel is True:
+            return _TP_CP_GROUP
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer("get_tp_group", with_context_parallel=with_context_parallel)
+
+
+def get_tp_rank(with_context_parallel: bool = False) -> int:
+    """This rank's index in its tensor-parallel group (tp x cp with ``with_context_parallel``)."""
+    try:
+        if not with_context_parallel:
+            return _TP_RANK
+        elif with_context_parallel is True:
+            return _TP_CP_RANK
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer("get_tp_rank", with_context_parallel=with_context_parallel)
+
+
+def get_tp_world_size(with_context_parallel: bool = False) -> int:
+    """Number of ranks in this rank's tensor-parallel group (tp x cp with ``with_context_parallel``)."""
+    try:
+        if not with_context_parallel:
+            return _TP_SIZE
+        elif with_context_parallel is True:
+            return _TP_CP_SIZE
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer("get_tp_world_size", with_context_parallel=with_context_parallel)
+
+
+def get_tensor_model_parallel_ranks(
+    with_context_parallel: bool = False, check_initialized: bool = True,
+) -> list[int]:
+    """Global ranks of this rank's tp (or tp x cp) group."""
+    try:
+        if not with_context_parallel:
+            return _TP_RANKS
+        elif with_context_parallel is True:
+            return _TP_CP_RANKS
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer(
+        "get_tensor_model_parallel_ranks", with_context_parallel=with_context_parallel,
+        check_initialized=check_initialized,
+    )
+# </generated: accessors>
+
+
+def refresh() -> None:
+    """Set every fast-path global from the answers; remove those with no answer."""
+    namespace = globals()
+    for variable, key in VARIABLES.items():
+        try:
+            namespace[variable] = _A[key]
+        except KeyError:
+            namespace.pop(variable, None)
+
+
+refresh()
+_st.on_change(refresh)  # registered after answers.refresh (imported above), so it reads fresh answers
+
+
+# --- the accessors written by hand -----------------------------------------------------------
 
 def is_unitialized() -> bool:
     """Deprecated megatron-core spelling of ``not is_initialized()``."""
     # Level 1, as megatron-core: a deeper level walks frames on every call of a hot deprecated name.
     warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, 1)
     return "initialized" not in _A
-
-
-# --- groups ----------------------------------------------------------------------------------
-
-get_model_parallel_group = _group("tp-pp.group", "This rank's model-parallel (tp x pp) group.")
-get_tensor_model_parallel_group = _group("tp.group", "This rank's tensor-model-parallel group.")
-get_pipeline_model_parallel_group = _group("pp.group", "This rank's pipeline-model-parallel group.")
-get_context_parallel_group = _group("cp.group", "This rank's context-parallel group.")
-get_tensor_and_context_parallel_group = _group("tp-cp.group", "This rank's tensor x context-parallel group.")
-get_embedding_group = _group("embd.group", "This rank's embedding group (the stages holding word embeddings).")
-get_position_embedding_group = _group("pos-embd.group", "This rank's position-embedding group.")
-get_context_parallel_global_ranks = _group("cp.ranks", "Global ranks of this rank's context-parallel group.")
-get_hierarchical_context_parallel_groups = _group(
-    "hcp.groups", "This rank's hierarchical context-parallel groups, innermost level first.")
-get_expert_model_parallel_group = _group("ep.group", "This rank's expert-model-parallel group.")
-get_expert_tensor_parallel_group = _group("etp.group", "This rank's expert-tensor-parallel group.")
-get_expert_tensor_and_model_parallel_group = _group("etp-ep.group", "This rank's expert tp x ep group.")
-get_gtp_weight_remat_group = _group(
-    "gtp.group", "This rank's generalized tensor-parallel (gtp_remat) weight-sharding group (megatron-core 0.19).")
-get_gtp_weight_remat_global_ranks = _group("gtp.ranks", "Global ranks of this rank's gtp_remat group.")
-get_expert_gtp_weight_remat_group = _group(
-    "egtp.group", "This rank's expert gtp_remat weight-sharding group (megatron-core 0.19).")
-get_expert_gtp_weight_remat_global_ranks = _group("egtp.ranks", "Global ranks of this rank's expert gtp_remat group.")
-
-
-def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool, with_egtp_remat: bool) -> Any:
-    """This rank's expert tp x ep x pp group (merged across expert gtp_remat peers with ``with_egtp_remat``)."""
-    key = "etp-ep-egtp-pp.group" if flag("with_egtp_remat", with_egtp_remat) else "etp-ep-pp.group"
-    return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
-
-
-get_intra_distributed_optimizer_instance_group = _group(
-    "dist-opt.group", "The group of every rank in this rank's distributed-optimizer instance.")
-get_inter_distributed_optimizer_instance_group = _group(
-    "edp-inter.group", "The group spanning the distributed-optimizer instances (one rank of each).")
-
-
-def get_data_parallel_group(with_context_parallel: bool, with_gtp_remat: bool, partial_data_parallel: bool,
-                            independent_all_gather: bool) -> Any:
-    """This rank's data-parallel group: dp x cp with ``with_context_parallel``; spanning gtp_remat unless
-    ``with_gtp_remat=False`` (0.19: the replicate group); its instance's part, or 0.16/0.17's separate
-    all-gather group, on request."""
-    cp, partial = flag("with_context_parallel", with_context_parallel), flag("partial_data_parallel", partial_data_parallel)
-    if flag("independent_all_gather", independent_all_gather) and cp and not partial:
-        return _lookup("dp-cp-ag.group")
-    return _lookup(_dp_key("group", cp, partial, with_gtp_remat))
-
-
-def has_separate_all_gather_group() -> bool:
-    """Whether initialize made a separate dp x cp group for all-gathers (create_all_gather_group=True)."""
-    return _A.get("dp-cp-ag.group") is not None
-
-
-_fast(has_separate_all_gather_group, default="dp-cp-ag.exists")
-
-
-def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> Any:
-    """This rank's gloo data-parallel group (dp x cp with ``with_context_parallel``)."""
-    if with_context_parallel is False and partial_data_parallel is False:
-        return _lookup("dp.gloo")
-    return _lookup(_dp_key("gloo", with_context_parallel, partial_data_parallel))
-
-
-def get_tensor_and_data_parallel_group(check_initialized: bool = True, with_context_parallel: bool = False) -> Any:
-    """This rank's tp x dp group (tp x dp x cp with ``with_context_parallel``)."""
-    key = "tp-dp-cp.group" if flag("with_context_parallel", with_context_parallel) else "tp-dp.group"
-    return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
-
-
-def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_red: bool = False) -> Any:
-    """The FP8 amax-reduction group: tp x dp (x cp), or tp (x cp) with ``tp_only_amax_red``."""
-    cp = flag("with_context_parallel", with_context_parallel)
-    if flag("tp_only_amax_red", tp_only_amax_red):
-        return _lookup("tp-cp.group" if cp else "tp.group")
-    return _lookup("tp-dp-cp.group" if cp else "tp-dp.group")
 
 
 def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, group_size: int | None = None) -> Any:
@@ -213,87 +1246,78 @@ def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, grou
     return groups[group_size]
 
 
-def get_expert_data_parallel_group(check_initialized: bool, with_gtp_remat: bool,
-                                   partial_expert_data_parallel: bool) -> Any:
-    """This rank's expert data-parallel group: spanning expert gtp_remat unless ``with_gtp_remat=False``
-    (0.19: the replicate group); its instance's part with ``partial_expert_data_parallel``."""
-    key = _edp_key("group", with_gtp_remat, partial_expert_data_parallel)
-    return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
-
-
 def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = False) -> Any:
     """Deprecated megatron-core name of get_expert_data_parallel_group."""
     warnings.warn("get_data_modulo_expert_parallel_group is deprecated, please use "
                   "get_expert_data_parallel_group instead.", DeprecationWarning, 1)
-    return _lookup(_edp_key("group", False, partial_expert_data_parallel))
+    return answer("get_expert_data_parallel_group", with_gtp_remat=False,
+                  partial_expert_data_parallel=partial_expert_data_parallel)
 
 
-def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False) -> Any:
-    """This rank's gloo expert data-parallel group."""
-    return _lookup("edp-intra.gloo" if flag("partial_expert_data_parallel", partial_expert_data_parallel) else "edp.gloo")
+def get_tensor_model_parallel_last_rank(with_context_parallel: bool = False) -> int:
+    """Global rank of the last member of this rank's tp (or tp x cp) group."""
+    return get_tensor_model_parallel_ranks(with_context_parallel)[-1]
 
 
-# --- ranks and sizes -------------------------------------------------------------------------
+# --- megatron-core's testing hooks: each overrides one answer (megatron-core's parameter names) --------
 
-get_tensor_model_parallel_world_size = _value("tp.size", "Number of ranks in this rank's tensor-parallel group.")
-get_tensor_model_parallel_rank = _value("tp.rank", "This rank's index in its tensor-parallel group.")
-get_pipeline_model_parallel_world_size = _value("pp.size", "Number of pipeline stages.")
-get_pipeline_model_parallel_rank = _value("pp.rank", "This rank's pipeline stage.")
-get_context_parallel_world_size = _value("cp.size", "Number of ranks in this rank's context-parallel group.")
-get_context_parallel_rank = _value("cp.rank", "This rank's index in its context-parallel group.")
-get_tensor_and_context_parallel_world_size = _value("tp-cp.size", "Number of ranks in this rank's tp x cp group.")
-get_tensor_and_context_parallel_rank = _value("tp-cp.rank", "This rank's index in its tp x cp group.")
-get_data_parallel_world_size = _dp_number("size", "Number of ranks in this rank's data-parallel group.")
-get_data_parallel_rank = _dp_number("rank", "This rank's index in its data-parallel group.")
-get_expert_model_parallel_world_size = _value("ep.size", "Number of ranks in this rank's expert-parallel group.")
-get_expert_model_parallel_rank = _value("ep.rank", "This rank's index in its expert-parallel group.")
-get_expert_tensor_parallel_world_size = _value("etp.size", "Number of ranks in this rank's expert-tensor group.")
-get_expert_tensor_parallel_rank = _value("etp.rank", "This rank's index in its expert-tensor-parallel group.")
-get_expert_tensor_and_model_parallel_world_size = _value("etp-ep.size", "Size of this rank's expert tp x ep group.")
-get_expert_tensor_and_model_parallel_rank = _value("etp-ep.rank", "This rank's index in its expert tp x ep group.")
-get_expert_data_parallel_world_size = _edp_number("size", "Number of ranks in this rank's expert data-parallel group.")
-get_expert_data_parallel_rank = _edp_number("rank", "This rank's index in its expert data-parallel group.")
-get_gtp_weight_remat_world_size = _value("gtp.size", "Number of ranks in this rank's gtp_remat group (0 without one).")
-get_gtp_weight_remat_rank = _value("gtp.rank", "This rank's index in its gtp_remat group (0 without one).")
-get_expert_gtp_weight_remat_world_size = _value(
-    "egtp.size", "Number of ranks in this rank's expert gtp_remat group (0 without one).")
-get_expert_gtp_weight_remat_rank = _value("egtp.rank", "This rank's index in its expert gtp_remat group (0 without one).")
-get_virtual_pipeline_model_parallel_world_size = _value(
-    "vpp.size", "The interleaved schedule's number of model chunks per stage, or None.")
-get_virtual_pipeline_model_parallel_rank = _value("vpp.rank", "The interleaved schedule's current model chunk, or None.")
-
-get_model_parallel_src_rank = _value("tp-pp.src", "Global rank of the first member of this rank's tp x pp group.")
-get_expert_model_parallel_src_rank = _value("ep.src", "First global rank of this rank's expert-parallel group.")
-get_pipeline_model_parallel_first_rank = _value("pp.first", "Global rank of the first stage of this rank's pipeline.")
-get_pipeline_model_parallel_last_rank = _value("pp.last", "Global rank of the last stage of this rank's pipeline.")
-get_pipeline_model_parallel_next_rank = _value(
-    "pp.next", "Global rank of the next stage; the last stage's next is the first (a ring).")
-get_pipeline_model_parallel_prev_rank = _value(
-    "pp.prev", "Global rank of the previous stage; the first stage's previous is the last (a ring).")
-get_all_ranks = _value("all_ranks", "This rank's tp, dp, cp, pp and ep ranks joined by '_' (megatron-core's format).")
+def _override(key: str, value: int | None, check: Any) -> None:
+    _st.set_override(key, None if value is None else check(key, value))
 
 
-def get_tensor_model_parallel_src_rank() -> int:
-    """First global rank of this rank's tensor-parallel group."""
-    return _lookup("tp.src")
+def set_tensor_model_parallel_world_size(world_size: int | None) -> None:
+    """Override the tensor model parallel world size (megatron-core's testing hook); None clears it."""
+    _override("tensor_model_parallel_world_size", world_size, positive_int)
 
 
-def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
-    """Global rank of the first member of this rank's data-parallel group."""
-    return _lookup("dp-cp.src" if flag("with_context_parallel", with_context_parallel) else "dp.src")
+def set_tensor_model_parallel_rank(rank: int | None) -> None:
+    """Override the tensor model parallel rank (megatron-core's testing hook); None clears it."""
+    _override("tensor_model_parallel_rank", rank, non_negative_int)
 
 
-set_tensor_model_parallel_world_size = _setter("tensor_model_parallel_world_size", "world_size")
-set_tensor_model_parallel_rank = _setter("tensor_model_parallel_rank", "rank")
-set_pipeline_model_parallel_world_size = _setter("pipeline_model_parallel_world_size", "world_size")
-set_pipeline_model_parallel_rank = _setter("pipeline_model_parallel_rank", "rank")
-set_data_parallel_rank = _setter("data_parallel_rank", "rank")
-set_virtual_pipeline_model_parallel_world_size = _setter("virtual_pipeline_model_parallel_world_size", "world_size")
-set_virtual_pipeline_model_parallel_rank = _setter("virtual_pipeline_model_parallel_rank", "rank")
-set_expert_model_parallel_world_size = _setter("expert_model_parallel_world_size", "world_size")
-set_expert_model_parallel_rank = _setter("expert_model_parallel_rank", "rank")
-set_expert_tensor_parallel_world_size = _setter("expert_tensor_parallel_world_size", "world_size")
-set_expert_tensor_parallel_rank = _setter("expert_tensor_parallel_rank", "rank")
+def set_pipeline_model_parallel_world_size(world_size: int | None) -> None:
+    """Override the pipeline model parallel world size (megatron-core's testing hook); None clears it."""
+    _override("pipeline_model_parallel_world_size", world_size, positive_int)
+
+
+def set_pipeline_model_parallel_rank(rank: int | None) -> None:
+    """Override the pipeline model parallel rank (megatron-core's testing hook); None clears it."""
+    _override("pipeline_model_parallel_rank", rank, non_negative_int)
+
+
+def set_data_parallel_rank(rank: int | None) -> None:
+    """Override the data parallel rank (megatron-core's testing hook); None clears it."""
+    _override("data_parallel_rank", rank, non_negative_int)
+
+
+def set_virtual_pipeline_model_parallel_world_size(world_size: int | None) -> None:
+    """Override the virtual pipeline model parallel world size (megatron-core's testing hook); None clears it."""
+    _override("virtual_pipeline_model_parallel_world_size", world_size, positive_int)
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
+    """Override the virtual pipeline model parallel rank (megatron-core's testing hook); None clears it."""
+    _override("virtual_pipeline_model_parallel_rank", rank, non_negative_int)
+
+
+def set_expert_model_parallel_world_size(world_size: int | None) -> None:
+    """Override the expert model parallel world size (megatron-core's testing hook); None clears it."""
+    _override("expert_model_parallel_world_size", world_size, positive_int)
+
+
+def set_expert_model_parallel_rank(rank: int | None) -> None:
+    """Override the expert model parallel rank (megatron-core's testing hook); None clears it."""
+    _override("expert_model_parallel_rank", rank, non_negative_int)
+
+
+def set_expert_tensor_parallel_world_size(world_size: int | None) -> None:
+    """Override the expert tensor parallel world size (megatron-core's testing hook); None clears it."""
+    _override("expert_tensor_parallel_world_size", world_size, positive_int)
+
+
+def set_expert_tensor_parallel_rank(rank: int | None) -> None:
+    """Override the expert tensor parallel rank (megatron-core's testing hook); None clears it."""
+    _override("expert_tensor_parallel_rank", rank, non_negative_int)
 
 
 # --- pipeline stages -------------------------------------------------------------------------
@@ -340,67 +1364,7 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
     return True
 
 
-def is_rank_in_position_embedding_group() -> bool:
-    """Whether this rank holds position embeddings."""
-    return _A.get("pos-embd.in") is True
-
-
-# --- the short names MAGI-1 and WorldFoundry call ---------------------------------------------
-
-def get_tp_group(with_context_parallel: bool = False) -> Any:
-    """This rank's tensor-parallel group (tp x cp with ``with_context_parallel``)."""
-    return _lookup("tp-cp.group" if flag("with_context_parallel", with_context_parallel) else "tp.group")
-
-
-def get_tp_rank(with_context_parallel: bool = False) -> int:
-    """This rank's index in its tensor-parallel group (tp x cp with ``with_context_parallel``)."""
-    return _lookup("tp-cp.rank" if flag("with_context_parallel", with_context_parallel) else "tp.rank")
-
-
-def get_tp_world_size(with_context_parallel: bool = False) -> int:
-    """Number of ranks in this rank's tensor-parallel group (tp x cp with ``with_context_parallel``)."""
-    return _lookup("tp-cp.size" if flag("with_context_parallel", with_context_parallel) else "tp.size")
-
-
-def get_tensor_model_parallel_ranks(with_context_parallel: bool = False, check_initialized: bool = True) -> Any:
-    """Global ranks of this rank's tp (or tp x cp) group."""
-    key = "tp-cp.ranks" if flag("with_context_parallel", with_context_parallel) else "tp.ranks"
-    return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
-
-
-def get_tensor_model_parallel_last_rank(with_context_parallel: bool = False) -> int:
-    """Global rank of the last member of this rank's tp (or tp x cp) group."""
-    return get_tensor_model_parallel_ranks(with_context_parallel)[-1]
-
-
-for _fn, _variants in {
-    is_initialized: dict(default="initialized"), model_parallel_is_initialized: dict(default="initialized"),
-    get_data_parallel_group: dict(default="gtp-dp.group", cp="gtp-dp-cp.group", cp_partial="gtp-dp-cp-intra.group"),
-    get_data_parallel_group_gloo: dict(default="dp.gloo", cp="dp-cp.gloo", cp_partial="dp-cp-intra.gloo"),
-    get_tensor_and_data_parallel_group: dict(default="tp-dp.group", cp="tp-dp-cp.group"),
-    get_amax_reduction_group: dict(default="tp-dp.group", cp="tp-dp-cp.group", tp_only="tp.group",
-                                   cp_tp_only="tp-cp.group"),
-    get_expert_data_parallel_group: dict(default="egtp-edp.group", partial="egtp-edp-intra.group"),
-    get_expert_tensor_model_pipeline_parallel_group: dict(default="etp-ep-pp.group", egtp="etp-ep-egtp-pp.group"),
-    get_expert_data_parallel_group_gloo: dict(default="edp.gloo", partial="edp-intra.gloo"),
-    get_data_parallel_src_rank: dict(default="dp.src", cp="dp-cp.src"),
-    get_tensor_model_parallel_src_rank: dict(default="tp.src"),
-    is_pipeline_first_stage: dict(default="pp.is_first"), is_pipeline_last_stage: dict(default="pp.is_last"),
-    is_rank_in_embedding_group: dict(default="embd.in"), is_rank_in_position_embedding_group: dict(default="pos-embd.in"),
-    get_tp_group: dict(default="tp.group", cp="tp-cp.group"), get_tp_rank: dict(default="tp.rank", cp="tp-cp.rank"),
-    get_tp_world_size: dict(default="tp.size", cp="tp-cp.size"),
-    get_tensor_model_parallel_ranks: dict(default="tp.ranks", cp="tp-cp.ranks"),
-}.items():
-    _fast(_fn, **_variants)
-
-# Every accessor with a fast path is replaced by its compiled twin (same name, answers; the parameters of
-# the release in use where the release table has the accessor's rows).
-for _name, _fn in list(globals().items()):
-    if callable(_fn) and _fn in _FAST:
-        globals()[_name] = compile_accessor(_fn, _FAST[_fn], name=_name)
-del _name, _fn, _variants
-
-# The short names MAGI-1 and WorldFoundry call, for the compiled accessors.
+# --- the short names MAGI-1 and WorldFoundry call ----------------------------------------------
 get_cp_group = get_context_parallel_group
 get_cp_rank = get_context_parallel_rank
 get_cp_world_size = get_context_parallel_world_size

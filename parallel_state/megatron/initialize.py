@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
 from parallel_state.groups import state as _st
-from parallel_state.topology import codegen, releases
+from parallel_state.topology import releases
 from parallel_state.topology.init_arguments import LOCAL, InitArguments
 from parallel_state.topology.kinds import Kind
 from parallel_state.topology.plan import TopologyPlan
@@ -25,23 +25,8 @@ def _nccl_options(config_path: Any, high_priority: Any) -> tuple[Callable[[Kind]
     return (lambda kind: get_nccl_options(kind.nccl, cfgs)), (lambda kind: repr(cfgs.get(kind.nccl)))
 
 
-def _made_initialize_model_parallel() -> Callable[..., None]:
-    """``initialize_model_parallel`` as a plain def with the release in use's parameters (``InitArguments``')."""
-    positional = [(name, InitArguments.__dataclass_fields__[name].default) for name in InitArguments.positional()]
-    keyword_only = list(InitArguments.keyword_only())
-    beyond = releases.beyond()
-    names = [name for name, _ in positional + keyword_only]
-    body = [f"    if {beyond}:", f"        refuse(len({beyond}))"] if beyond else []
-    body.append(f"    _initialize(InitArguments.from_call({{{', '.join(f'{n!r}: {n}' for n in names)}}}))")
-    annotations = {p.name: p.annotation for p in InitArguments.signature().parameters.values()}
-    namespace = {"InitArguments": InitArguments, "_initialize": lambda args: _initialize(args),
-                 "refuse": lambda extra: releases.refuse("initialize_model_parallel()", len(positional), extra)}
-    return codegen.define("initialize_model_parallel", codegen.parameter_text(positional, keyword_only, beyond),
-                          "\n".join(body) + "\n", namespace, module=__name__, doc=_DOC,
-                          annotations={**annotations, "return": "None"})
-
-
-_DOC = """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
+#: ``initialize_model_parallel``'s docstring (``python -m parallel_state.tools.generate`` writes it into each def).
+DOC = """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
 
     Takes the keywords of every megatron-core release from 0.16 to 0.19, and its positional
     arguments in the order of the release in use (``parallel_state.megatron_release()``: the
@@ -59,8 +44,281 @@ _DOC = """Build this rank's model-parallel groups, laid out exactly as megatron-
     range it builds nothing.
 """
 
-#: The release in use's initialize_model_parallel (see ``_made_initialize_model_parallel``).
-initialize_model_parallel = _made_initialize_model_parallel()
+# initialize_model_parallel takes the release in use's parameters, then every other release's, the MAGI-1 /
+# WorldFoundry aliases and parallel_state's own, keyword-only (``InitArguments``' fields).
+# <generated: initialize-model-parallel> by `python -m parallel_state.tools.generate` from the release table
+if releases.in_use() == "0.16":
+    def initialize_model_parallel(
+        tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: int | None = None, pipeline_model_parallel_comm_backend: str | None = None,
+        use_sharp: bool = False, context_parallel_size: int = 1,
+        hierarchical_context_parallel_sizes: Sequence[int] | None = None, hybrid_context_parallel: bool = False,
+        expert_model_parallel_size: int = 1, num_distributed_optimizer_instances: int = 1,
+        expert_tensor_parallel_size: int | None = None, nccl_communicator_config_path: str | None = None,
+        distributed_timeout_minutes: int = 30, order: str = "tp-cp-ep-dp-pp",
+        get_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        get_position_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        create_gloo_process_groups: bool = True, high_priority_stream_groups: Sequence[str] | None = None,
+        sharp_enabled_group: str | None = None, create_all_gather_group: bool | None = False, *, gtp_remat_size: int = 1,
+        expert_gtp_remat_size: int = 1, rank_offset: int = 0, local_world_size: int | None = None,
+        tp_size: int | None = None, cp_size: int | None = None, pp_size: int | None = None,
+        timeout: datetime.timedelta | None = None, check_consistency: bool = True, ranks: Sequence[int] | None = None,
+    ) -> None:
+        """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
+
+        Takes the keywords of every megatron-core release from 0.16 to 0.19, and its positional
+        arguments in the order of the release in use (``parallel_state.megatron_release()``: the
+        installed megatron-core's, 0.16's when none is installed); the signature shows that release's.
+        ``tp_size``/``cp_size``/``pp_size`` are the MAGI-1 / WorldFoundry spellings, ``timeout`` sets
+        the groups' timeout more finely than ``distributed_timeout_minutes``. ``check_consistency``
+        compares every rank's arguments before any group is built and confirms every rank built its
+        groups afterwards (a round through the default store each, bounded by the timeout), so that all
+        ranks keep the groups or none does. Each rank creates only the groups it is in; on any error
+        nothing is left behind. ``ranks`` (global ranks holding this one) builds the topology over that
+        subset of the world alone: sizes, layout and accessors refer to it, and only its ranks take
+        part, so disjoint subsets initialize, run and destroy side by side. megatron-core 0.17's
+        ``rank_offset`` / ``local_world_size`` spell the subset ``range(rank_offset, rank_offset +
+        local_world_size)``; as in megatron-core, every rank may call it, and on a rank outside that
+        range it builds nothing.
+        """
+        _initialize(InitArguments.from_call(dict(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+            pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend, use_sharp=use_sharp,
+            context_parallel_size=context_parallel_size,
+            hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+            hybrid_context_parallel=hybrid_context_parallel, expert_model_parallel_size=expert_model_parallel_size,
+            num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
+            nccl_communicator_config_path=nccl_communicator_config_path,
+            distributed_timeout_minutes=distributed_timeout_minutes, order=order,
+            get_embedding_ranks=get_embedding_ranks, get_position_embedding_ranks=get_position_embedding_ranks,
+            create_gloo_process_groups=create_gloo_process_groups,
+            high_priority_stream_groups=high_priority_stream_groups, sharp_enabled_group=sharp_enabled_group,
+            create_all_gather_group=create_all_gather_group, gtp_remat_size=gtp_remat_size,
+            expert_gtp_remat_size=expert_gtp_remat_size, rank_offset=rank_offset, local_world_size=local_world_size,
+            tp_size=tp_size, cp_size=cp_size, pp_size=pp_size, timeout=timeout, check_consistency=check_consistency,
+            ranks=ranks,
+        )))
+elif releases.in_use() == "0.17":
+    def initialize_model_parallel(
+        tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: int | None = None, pipeline_model_parallel_comm_backend: str | None = None,
+        use_sharp: bool = False, context_parallel_size: int = 1,
+        hierarchical_context_parallel_sizes: Sequence[int] | None = None, hybrid_context_parallel: bool = False,
+        expert_model_parallel_size: int = 1, num_distributed_optimizer_instances: int = 1,
+        expert_tensor_parallel_size: int | None = None, nccl_communicator_config_path: str | None = None,
+        distributed_timeout_minutes: int = 30, order: str = "tp-cp-ep-dp-pp",
+        get_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        get_position_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        create_gloo_process_groups: bool = True, high_priority_stream_groups: Sequence[str] | None = None,
+        sharp_enabled_group: str | None = None, create_all_gather_group: bool | None = False, rank_offset: int = 0,
+        local_world_size: int | None = None, *, gtp_remat_size: int = 1, expert_gtp_remat_size: int = 1,
+        tp_size: int | None = None, cp_size: int | None = None, pp_size: int | None = None,
+        timeout: datetime.timedelta | None = None, check_consistency: bool = True, ranks: Sequence[int] | None = None,
+    ) -> None:
+        """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
+
+        Takes the keywords of every megatron-core release from 0.16 to 0.19, and its positional
+        arguments in the order of the release in use (``parallel_state.megatron_release()``: the
+        installed megatron-core's, 0.16's when none is installed); the signature shows that release's.
+        ``tp_size``/``cp_size``/``pp_size`` are the MAGI-1 / WorldFoundry spellings, ``timeout`` sets
+        the groups' timeout more finely than ``distributed_timeout_minutes``. ``check_consistency``
+        compares every rank's arguments before any group is built and confirms every rank built its
+        groups afterwards (a round through the default store each, bounded by the timeout), so that all
+        ranks keep the groups or none does. Each rank creates only the groups it is in; on any error
+        nothing is left behind. ``ranks`` (global ranks holding this one) builds the topology over that
+        subset of the world alone: sizes, layout and accessors refer to it, and only its ranks take
+        part, so disjoint subsets initialize, run and destroy side by side. megatron-core 0.17's
+        ``rank_offset`` / ``local_world_size`` spell the subset ``range(rank_offset, rank_offset +
+        local_world_size)``; as in megatron-core, every rank may call it, and on a rank outside that
+        range it builds nothing.
+        """
+        _initialize(InitArguments.from_call(dict(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+            pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend, use_sharp=use_sharp,
+            context_parallel_size=context_parallel_size,
+            hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+            hybrid_context_parallel=hybrid_context_parallel, expert_model_parallel_size=expert_model_parallel_size,
+            num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
+            nccl_communicator_config_path=nccl_communicator_config_path,
+            distributed_timeout_minutes=distributed_timeout_minutes, order=order,
+            get_embedding_ranks=get_embedding_ranks, get_position_embedding_ranks=get_position_embedding_ranks,
+            create_gloo_process_groups=create_gloo_process_groups,
+            high_priority_stream_groups=high_priority_stream_groups, sharp_enabled_group=sharp_enabled_group,
+            create_all_gather_group=create_all_gather_group, rank_offset=rank_offset, local_world_size=local_world_size,
+            gtp_remat_size=gtp_remat_size, expert_gtp_remat_size=expert_gtp_remat_size, tp_size=tp_size, cp_size=cp_size,
+            pp_size=pp_size, timeout=timeout, check_consistency=check_consistency, ranks=ranks,
+        )))
+elif releases.in_use() == "0.18":
+    def initialize_model_parallel(
+        tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: int | None = None, pipeline_model_parallel_comm_backend: str | None = None,
+        use_sharp: bool = False, context_parallel_size: int = 1,
+        hierarchical_context_parallel_sizes: Sequence[int] | None = None, hybrid_context_parallel: bool = False,
+        expert_model_parallel_size: int = 1, num_distributed_optimizer_instances: int = 1,
+        expert_tensor_parallel_size: int | None = None, nccl_communicator_config_path: str | None = None,
+        distributed_timeout_minutes: int = 30, order: str = "tp-cp-ep-dp-pp",
+        get_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        get_position_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        create_gloo_process_groups: bool = True, high_priority_stream_groups: Sequence[str] | None = None,
+        sharp_enabled_group: str | None = None, rank_offset: int = 0, local_world_size: int | None = None, *,
+        gtp_remat_size: int = 1, expert_gtp_remat_size: int = 1, create_all_gather_group: bool | None = False,
+        tp_size: int | None = None, cp_size: int | None = None, pp_size: int | None = None,
+        timeout: datetime.timedelta | None = None, check_consistency: bool = True, ranks: Sequence[int] | None = None,
+    ) -> None:
+        """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
+
+        Takes the keywords of every megatron-core release from 0.16 to 0.19, and its positional
+        arguments in the order of the release in use (``parallel_state.megatron_release()``: the
+        installed megatron-core's, 0.16's when none is installed); the signature shows that release's.
+        ``tp_size``/``cp_size``/``pp_size`` are the MAGI-1 / WorldFoundry spellings, ``timeout`` sets
+        the groups' timeout more finely than ``distributed_timeout_minutes``. ``check_consistency``
+        compares every rank's arguments before any group is built and confirms every rank built its
+        groups afterwards (a round through the default store each, bounded by the timeout), so that all
+        ranks keep the groups or none does. Each rank creates only the groups it is in; on any error
+        nothing is left behind. ``ranks`` (global ranks holding this one) builds the topology over that
+        subset of the world alone: sizes, layout and accessors refer to it, and only its ranks take
+        part, so disjoint subsets initialize, run and destroy side by side. megatron-core 0.17's
+        ``rank_offset`` / ``local_world_size`` spell the subset ``range(rank_offset, rank_offset +
+        local_world_size)``; as in megatron-core, every rank may call it, and on a rank outside that
+        range it builds nothing.
+        """
+        _initialize(InitArguments.from_call(dict(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+            pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend, use_sharp=use_sharp,
+            context_parallel_size=context_parallel_size,
+            hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+            hybrid_context_parallel=hybrid_context_parallel, expert_model_parallel_size=expert_model_parallel_size,
+            num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
+            nccl_communicator_config_path=nccl_communicator_config_path,
+            distributed_timeout_minutes=distributed_timeout_minutes, order=order,
+            get_embedding_ranks=get_embedding_ranks, get_position_embedding_ranks=get_position_embedding_ranks,
+            create_gloo_process_groups=create_gloo_process_groups,
+            high_priority_stream_groups=high_priority_stream_groups, sharp_enabled_group=sharp_enabled_group,
+            rank_offset=rank_offset, local_world_size=local_world_size, gtp_remat_size=gtp_remat_size,
+            expert_gtp_remat_size=expert_gtp_remat_size, create_all_gather_group=create_all_gather_group,
+            tp_size=tp_size, cp_size=cp_size, pp_size=pp_size, timeout=timeout, check_consistency=check_consistency,
+            ranks=ranks,
+        )))
+elif releases.in_use() == "0.19":
+    def initialize_model_parallel(
+        tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: int | None = None, pipeline_model_parallel_comm_backend: str | None = None,
+        use_sharp: bool = False, context_parallel_size: int = 1,
+        hierarchical_context_parallel_sizes: Sequence[int] | None = None, hybrid_context_parallel: bool = False,
+        expert_model_parallel_size: int = 1, gtp_remat_size: int = 1, expert_gtp_remat_size: int = 1,
+        num_distributed_optimizer_instances: int = 1, expert_tensor_parallel_size: int | None = None,
+        nccl_communicator_config_path: str | None = None, distributed_timeout_minutes: int = 30,
+        order: str = "tp-cp-ep-dp-pp", get_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        get_position_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        create_gloo_process_groups: bool = True, high_priority_stream_groups: Sequence[str] | None = None,
+        sharp_enabled_group: str | None = None, rank_offset: int = 0, local_world_size: int | None = None, *,
+        create_all_gather_group: bool | None = False, tp_size: int | None = None, cp_size: int | None = None,
+        pp_size: int | None = None, timeout: datetime.timedelta | None = None, check_consistency: bool = True,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
+        """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
+
+        Takes the keywords of every megatron-core release from 0.16 to 0.19, and its positional
+        arguments in the order of the release in use (``parallel_state.megatron_release()``: the
+        installed megatron-core's, 0.16's when none is installed); the signature shows that release's.
+        ``tp_size``/``cp_size``/``pp_size`` are the MAGI-1 / WorldFoundry spellings, ``timeout`` sets
+        the groups' timeout more finely than ``distributed_timeout_minutes``. ``check_consistency``
+        compares every rank's arguments before any group is built and confirms every rank built its
+        groups afterwards (a round through the default store each, bounded by the timeout), so that all
+        ranks keep the groups or none does. Each rank creates only the groups it is in; on any error
+        nothing is left behind. ``ranks`` (global ranks holding this one) builds the topology over that
+        subset of the world alone: sizes, layout and accessors refer to it, and only its ranks take
+        part, so disjoint subsets initialize, run and destroy side by side. megatron-core 0.17's
+        ``rank_offset`` / ``local_world_size`` spell the subset ``range(rank_offset, rank_offset +
+        local_world_size)``; as in megatron-core, every rank may call it, and on a rank outside that
+        range it builds nothing.
+        """
+        _initialize(InitArguments.from_call(dict(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+            pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend, use_sharp=use_sharp,
+            context_parallel_size=context_parallel_size,
+            hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+            hybrid_context_parallel=hybrid_context_parallel, expert_model_parallel_size=expert_model_parallel_size,
+            gtp_remat_size=gtp_remat_size, expert_gtp_remat_size=expert_gtp_remat_size,
+            num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
+            nccl_communicator_config_path=nccl_communicator_config_path,
+            distributed_timeout_minutes=distributed_timeout_minutes, order=order,
+            get_embedding_ranks=get_embedding_ranks, get_position_embedding_ranks=get_position_embedding_ranks,
+            create_gloo_process_groups=create_gloo_process_groups,
+            high_priority_stream_groups=high_priority_stream_groups, sharp_enabled_group=sharp_enabled_group,
+            rank_offset=rank_offset, local_world_size=local_world_size, create_all_gather_group=create_all_gather_group,
+            tp_size=tp_size, cp_size=cp_size, pp_size=pp_size, timeout=timeout, check_consistency=check_consistency,
+            ranks=ranks,
+        )))
+else:  # any release parallel_state does not know
+    def initialize_model_parallel(
+        tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: int | None = None, pipeline_model_parallel_comm_backend: str | None = None,
+        use_sharp: bool = False, context_parallel_size: int = 1,
+        hierarchical_context_parallel_sizes: Sequence[int] | None = None, hybrid_context_parallel: bool = False,
+        expert_model_parallel_size: int = 1, *beyond, gtp_remat_size: int = 1, expert_gtp_remat_size: int = 1,
+        num_distributed_optimizer_instances: int = 1, expert_tensor_parallel_size: int | None = None,
+        nccl_communicator_config_path: str | None = None, distributed_timeout_minutes: int = 30,
+        order: str = "tp-cp-ep-dp-pp", get_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        get_position_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        create_gloo_process_groups: bool = True, high_priority_stream_groups: Sequence[str] | None = None,
+        sharp_enabled_group: str | None = None, create_all_gather_group: bool | None = False, rank_offset: int = 0,
+        local_world_size: int | None = None, tp_size: int | None = None, cp_size: int | None = None,
+        pp_size: int | None = None, timeout: datetime.timedelta | None = None, check_consistency: bool = True,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
+        """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
+
+        Takes the keywords of every megatron-core release from 0.16 to 0.19, and its positional
+        arguments in the order of the release in use (``parallel_state.megatron_release()``: the
+        installed megatron-core's, 0.16's when none is installed); the signature shows that release's.
+        ``tp_size``/``cp_size``/``pp_size`` are the MAGI-1 / WorldFoundry spellings, ``timeout`` sets
+        the groups' timeout more finely than ``distributed_timeout_minutes``. ``check_consistency``
+        compares every rank's arguments before any group is built and confirms every rank built its
+        groups afterwards (a round through the default store each, bounded by the timeout), so that all
+        ranks keep the groups or none does. Each rank creates only the groups it is in; on any error
+        nothing is left behind. ``ranks`` (global ranks holding this one) builds the topology over that
+        subset of the world alone: sizes, layout and accessors refer to it, and only its ranks take
+        part, so disjoint subsets initialize, run and destroy side by side. megatron-core 0.17's
+        ``rank_offset`` / ``local_world_size`` spell the subset ``range(rank_offset, rank_offset +
+        local_world_size)``; as in megatron-core, every rank may call it, and on a rank outside that
+        range it builds nothing.
+        """
+        if beyond:
+            releases.refuse("initialize_model_parallel()", 9, len(beyond))
+        _initialize(InitArguments.from_call(dict(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+            pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend, use_sharp=use_sharp,
+            context_parallel_size=context_parallel_size,
+            hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+            hybrid_context_parallel=hybrid_context_parallel, expert_model_parallel_size=expert_model_parallel_size,
+            gtp_remat_size=gtp_remat_size, expert_gtp_remat_size=expert_gtp_remat_size,
+            num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
+            nccl_communicator_config_path=nccl_communicator_config_path,
+            distributed_timeout_minutes=distributed_timeout_minutes, order=order,
+            get_embedding_ranks=get_embedding_ranks, get_position_embedding_ranks=get_position_embedding_ranks,
+            create_gloo_process_groups=create_gloo_process_groups,
+            high_priority_stream_groups=high_priority_stream_groups, sharp_enabled_group=sharp_enabled_group,
+            create_all_gather_group=create_all_gather_group, rank_offset=rank_offset, local_world_size=local_world_size,
+            tp_size=tp_size, cp_size=cp_size, pp_size=pp_size, timeout=timeout, check_consistency=check_consistency,
+            ranks=ranks,
+        )))
+# </generated: initialize-model-parallel>
 
 
 def _initialize(args: InitArguments) -> None:
