@@ -95,7 +95,7 @@ def test_no_source_text_is_run_in_the_packages():
                         node.func.id in ("exec", "eval", "compile"):
                     calls.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
     # The source that follows the release table is written by a command and checked in
-    # (parallel_state/tools/generate.py, tests/test_generated_source.py), never made from text at import.
+    # (parallel_state/tools/generate.py, tests/test_tools_generate.py), never made from text at import.
     assert calls == []
 
 

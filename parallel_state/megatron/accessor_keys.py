@@ -45,6 +45,8 @@ class Rule:
     returns: str = "Any"
     #: What the accessor returns where the answer is absent (``LOOKUP``: ``answers.lookup``'s answer).
     absent: Any = LOOKUP
+    #: The DeprecationWarning a deprecated name gives on every call, as megatron-core's does.
+    deprecated: str | None = None
 
 
 #: Every accessor with a rule, by name, in the order ``accessors.py`` defines them.
@@ -64,10 +66,11 @@ def answer(name: str, **arguments: Any) -> Any:
     return lookup(key) if check else ANSWERS.get(key)
 
 
-def _rule(returns: str = "Any", absent: Any = LOOKUP) -> Callable[[Callable[..., str]], Rule]:
+def _rule(returns: str = "Any", absent: Any = LOOKUP, deprecated: str | None = None
+          ) -> Callable[[Callable[..., str]], Rule]:
     """Register the decorated function as the rule of the accessor of its name."""
     def register(key: Callable[..., str]) -> Rule:
-        RULES[key.__name__] = Rule(key, key.__doc__ or "", returns, absent)
+        RULES[key.__name__] = Rule(key, key.__doc__ or "", returns, absent, deprecated)
         return RULES[key.__name__]
 
     return register
@@ -196,6 +199,13 @@ def get_expert_data_parallel_group(check_initialized: bool = True, with_gtp_rema
     """This rank's expert data-parallel group: spanning expert gtp_remat unless ``with_gtp_remat=False``
     (0.19: the replicate group); its instance's part with ``partial_expert_data_parallel``."""
     return _expert_data_parallel("group", with_gtp_remat, partial_expert_data_parallel)
+
+
+@_rule(deprecated="get_data_modulo_expert_parallel_group is deprecated, please use get_expert_data_parallel_group "
+                  "instead.")
+def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = False) -> str:
+    """Deprecated megatron-core name of get_expert_data_parallel_group (the group without expert gtp_remat)."""
+    return _expert_data_parallel("group", False, partial_expert_data_parallel)
 
 
 @_rule()

@@ -614,6 +614,22 @@ else:  # any release parallel_state does not know
         )
 
 
+def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = False) -> Any:
+    """Deprecated megatron-core name of get_expert_data_parallel_group (the group without expert gtp_remat)."""
+    warnings.warn(
+        "get_data_modulo_expert_parallel_group is deprecated, please use get_expert_data_parallel_group instead.",
+        DeprecationWarning, 1,
+    )
+    try:
+        if not partial_expert_data_parallel:
+            return _EDP_GROUP
+        elif partial_expert_data_parallel is True:
+            return _EDP_INTRA_GROUP
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer("get_data_modulo_expert_parallel_group", partial_expert_data_parallel=partial_expert_data_parallel)
+
+
 def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False) -> Any:
     """This rank's gloo expert data-parallel group."""
     try:
@@ -1244,14 +1260,6 @@ def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, grou
                if groups else "initialize with hybrid_context_parallel=True to have them")
         )
     return groups[group_size]
-
-
-def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = False) -> Any:
-    """Deprecated megatron-core name of get_expert_data_parallel_group."""
-    warnings.warn("get_data_modulo_expert_parallel_group is deprecated, please use "
-                  "get_expert_data_parallel_group instead.", DeprecationWarning, 1)
-    return answer("get_expert_data_parallel_group", with_gtp_remat=False,
-                  partial_expert_data_parallel=partial_expert_data_parallel)
 
 
 def get_tensor_model_parallel_last_rank(with_context_parallel: bool = False) -> int:

@@ -13,9 +13,12 @@ module between two marker lines::
     # </generated: NAME>
 
 This command rewrites every region from its table (``--check``: only says which are stale, exit
-status 1 if any); ``tests/test_generated_source.py`` fails while one is. Where a function's
+status 1 if any); ``tests/test_tools_generate.py`` fails while one is. Where a function's
 parameters differ between releases, the region defines it once per distinct parameter list, under
 ``if releases.in_use() ...``: the def of the release in use is the one Python runs.
+
+The command imports ``parallel_state``, so the package must import before it runs: where a new rule
+replaces an accessor written by hand, keep the hand-written def until the region holds the new one.
 """
 
 from __future__ import annotations
@@ -265,6 +268,9 @@ def accessors() -> list[str]:
         params = parameters(name, rule, release)
         tested = [(n, d) for n, _, d in params.positional + params.keyword_only if n != "check_initialized"]
         out = [*def_line(name, params.text(), rule.returns), *docstring(rule.doc, "    ")]
+        if rule.deprecated:  # level 1, as megatron-core: a deeper level walks frames on every call of a hot name
+            out += bracketed("warnings.warn(", [literal("deprecated", rule.deprecated), "DeprecationWarning", "1"], ")",
+                             "    ")
         if params.beyond:
             out += [f"    if {params.beyond}:",
                     f'        releases.refuse("{name}()", {len(params.positional)}, len({params.beyond}))']
