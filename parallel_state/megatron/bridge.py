@@ -29,7 +29,8 @@ _written: dict[str, Any] = {}
 _megatron_destroy: Callable[[], None] | None = None
 
 
-def _import_megatron() -> Any:
+def import_megatron() -> Any:
+    """``megatron.core.parallel_state``, or an ImportError saying how to install megatron-core."""
     try:
         import megatron.core.parallel_state as mps
     except ImportError as exc:
@@ -74,7 +75,7 @@ def bridge_megatron() -> bool:
     and ParallelStateError when megatron-core already holds groups it built itself.
     """
     global _bridged, _megatron_destroy
-    mps = _import_megatron()
+    mps = import_megatron()
     state = _st.peek()
     if state is None:
         return False

@@ -476,7 +476,7 @@ def _members(args: InitArguments) -> tuple[int, ...] | None:
     """
     import torch.distributed as dist
 
-    from parallel_state.groups.process_groups import _group_members
+    from parallel_state.groups.process_groups import group_members
     from parallel_state.topology import arguments as a
 
     world, me = dist.get_world_size(), dist.get_rank()
@@ -485,7 +485,7 @@ def _members(args: InitArguments) -> tuple[int, ...] | None:
         a.optional_positive_int("local_world_size", args.local_world_size)
         subset = args.subset(world)
         return subset if subset is None or me in subset else ()
-    members = tuple(sorted(_group_members(args.ranks, world)))
+    members = tuple(sorted(group_members(args.ranks, world)))
     if not members:
         raise ParallelStateError("ranks=[] holds no rank; pass the global ranks to build over, or None for all")
     if me not in members:

@@ -95,9 +95,9 @@ def process_group_collection(required_pgs: Sequence[str] | None = None, *, all_g
 
     use_megatron = releases.installed() is not None if megatron is None else a.flag("megatron", megatron)
     if use_megatron:
-        from parallel_state.megatron.bridge import _import_megatron, bridge_megatron
+        from parallel_state.megatron.bridge import bridge_megatron, import_megatron
 
-        _import_megatron()  # a clear ImportError without megatron-core
+        import_megatron()  # a clear ImportError without megatron-core
         from megatron.core.process_groups_config import ProcessGroupCollection as cls
     else:
         cls = ProcessGroupCollection

@@ -148,7 +148,7 @@ class TopologyPlan(Sizes):
         if not isinstance(name, str):
             raise ParallelStateTypeError(f"a group kind is a str such as 'tp-cp', got {name!r}")
         try:
-            self.decoder._kind_dims(name)
+            self.decoder.group_size(name)  # checks the tokens
         except ParallelStateError as exc:
             raise ParallelStateError(f"{exc}; or one of this plan's kinds {list(self.kinds)}") from None
         return GridKind(name, dims=name)
