@@ -25,7 +25,7 @@ def _nccl_options(config_path: Any, high_priority: Any) -> tuple[Callable[[Kind]
     return (lambda kind: get_nccl_options(kind.nccl, cfgs)), (lambda kind: repr(cfgs.get(kind.nccl)))
 
 
-#: ``initialize_model_parallel``'s docstring (``python -m parallel_state.tools.generate`` writes it into each def).
+#: ``initialize_model_parallel``'s docstring, whichever release's def is the one in use.
 DOC = """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
 
     Takes the keywords of every megatron-core release from 0.16 to 0.19, and its positional
@@ -64,43 +64,7 @@ if releases.in_use() == "0.16":
         tp_size: int | None = None, cp_size: int | None = None, pp_size: int | None = None,
         timeout: datetime.timedelta | None = None, check_consistency: bool = True, ranks: Sequence[int] | None = None,
     ) -> None:
-        """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
-
-        Takes the keywords of every megatron-core release from 0.16 to 0.19, and its positional
-        arguments in the order of the release in use (``parallel_state.megatron_release()``: the
-        installed megatron-core's, 0.16's when none is installed); the signature shows that release's.
-        ``tp_size``/``cp_size``/``pp_size`` are the MAGI-1 / WorldFoundry spellings, ``timeout`` sets
-        the groups' timeout more finely than ``distributed_timeout_minutes``. ``check_consistency``
-        compares every rank's arguments before any group is built and confirms every rank built its
-        groups afterwards (a round through the default store each, bounded by the timeout), so that all
-        ranks keep the groups or none does. Each rank creates only the groups it is in; on any error
-        nothing is left behind. ``ranks`` (global ranks holding this one) builds the topology over that
-        subset of the world alone: sizes, layout and accessors refer to it, and only its ranks take
-        part, so disjoint subsets initialize, run and destroy side by side. megatron-core 0.17's
-        ``rank_offset`` / ``local_world_size`` spell the subset ``range(rank_offset, rank_offset +
-        local_world_size)``; as in megatron-core, every rank may call it, and on a rank outside that
-        range it builds nothing.
-        """
-        _initialize(InitArguments.from_call(dict(
-            tensor_model_parallel_size=tensor_model_parallel_size,
-            pipeline_model_parallel_size=pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-            pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend, use_sharp=use_sharp,
-            context_parallel_size=context_parallel_size,
-            hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
-            hybrid_context_parallel=hybrid_context_parallel, expert_model_parallel_size=expert_model_parallel_size,
-            num_distributed_optimizer_instances=num_distributed_optimizer_instances,
-            expert_tensor_parallel_size=expert_tensor_parallel_size,
-            nccl_communicator_config_path=nccl_communicator_config_path,
-            distributed_timeout_minutes=distributed_timeout_minutes, order=order,
-            get_embedding_ranks=get_embedding_ranks, get_position_embedding_ranks=get_position_embedding_ranks,
-            create_gloo_process_groups=create_gloo_process_groups,
-            high_priority_stream_groups=high_priority_stream_groups, sharp_enabled_group=sharp_enabled_group,
-            create_all_gather_group=create_all_gather_group, gtp_remat_size=gtp_remat_size,
-            expert_gtp_remat_size=expert_gtp_remat_size, rank_offset=rank_offset, local_world_size=local_world_size,
-            tp_size=tp_size, cp_size=cp_size, pp_size=pp_size, timeout=timeout, check_consistency=check_consistency,
-            ranks=ranks,
-        )))
+        _initialize(InitArguments.from_call(locals()))  # locals(): the call's arguments, by name
 elif releases.in_use() == "0.17":
     def initialize_model_parallel(
         tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
@@ -118,42 +82,7 @@ elif releases.in_use() == "0.17":
         tp_size: int | None = None, cp_size: int | None = None, pp_size: int | None = None,
         timeout: datetime.timedelta | None = None, check_consistency: bool = True, ranks: Sequence[int] | None = None,
     ) -> None:
-        """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
-
-        Takes the keywords of every megatron-core release from 0.16 to 0.19, and its positional
-        arguments in the order of the release in use (``parallel_state.megatron_release()``: the
-        installed megatron-core's, 0.16's when none is installed); the signature shows that release's.
-        ``tp_size``/``cp_size``/``pp_size`` are the MAGI-1 / WorldFoundry spellings, ``timeout`` sets
-        the groups' timeout more finely than ``distributed_timeout_minutes``. ``check_consistency``
-        compares every rank's arguments before any group is built and confirms every rank built its
-        groups afterwards (a round through the default store each, bounded by the timeout), so that all
-        ranks keep the groups or none does. Each rank creates only the groups it is in; on any error
-        nothing is left behind. ``ranks`` (global ranks holding this one) builds the topology over that
-        subset of the world alone: sizes, layout and accessors refer to it, and only its ranks take
-        part, so disjoint subsets initialize, run and destroy side by side. megatron-core 0.17's
-        ``rank_offset`` / ``local_world_size`` spell the subset ``range(rank_offset, rank_offset +
-        local_world_size)``; as in megatron-core, every rank may call it, and on a rank outside that
-        range it builds nothing.
-        """
-        _initialize(InitArguments.from_call(dict(
-            tensor_model_parallel_size=tensor_model_parallel_size,
-            pipeline_model_parallel_size=pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-            pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend, use_sharp=use_sharp,
-            context_parallel_size=context_parallel_size,
-            hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
-            hybrid_context_parallel=hybrid_context_parallel, expert_model_parallel_size=expert_model_parallel_size,
-            num_distributed_optimizer_instances=num_distributed_optimizer_instances,
-            expert_tensor_parallel_size=expert_tensor_parallel_size,
-            nccl_communicator_config_path=nccl_communicator_config_path,
-            distributed_timeout_minutes=distributed_timeout_minutes, order=order,
-            get_embedding_ranks=get_embedding_ranks, get_position_embedding_ranks=get_position_embedding_ranks,
-            create_gloo_process_groups=create_gloo_process_groups,
-            high_priority_stream_groups=high_priority_stream_groups, sharp_enabled_group=sharp_enabled_group,
-            create_all_gather_group=create_all_gather_group, rank_offset=rank_offset, local_world_size=local_world_size,
-            gtp_remat_size=gtp_remat_size, expert_gtp_remat_size=expert_gtp_remat_size, tp_size=tp_size, cp_size=cp_size,
-            pp_size=pp_size, timeout=timeout, check_consistency=check_consistency, ranks=ranks,
-        )))
+        _initialize(InitArguments.from_call(locals()))  # locals(): the call's arguments, by name
 elif releases.in_use() == "0.18":
     def initialize_model_parallel(
         tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
@@ -171,43 +100,7 @@ elif releases.in_use() == "0.18":
         tp_size: int | None = None, cp_size: int | None = None, pp_size: int | None = None,
         timeout: datetime.timedelta | None = None, check_consistency: bool = True, ranks: Sequence[int] | None = None,
     ) -> None:
-        """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
-
-        Takes the keywords of every megatron-core release from 0.16 to 0.19, and its positional
-        arguments in the order of the release in use (``parallel_state.megatron_release()``: the
-        installed megatron-core's, 0.16's when none is installed); the signature shows that release's.
-        ``tp_size``/``cp_size``/``pp_size`` are the MAGI-1 / WorldFoundry spellings, ``timeout`` sets
-        the groups' timeout more finely than ``distributed_timeout_minutes``. ``check_consistency``
-        compares every rank's arguments before any group is built and confirms every rank built its
-        groups afterwards (a round through the default store each, bounded by the timeout), so that all
-        ranks keep the groups or none does. Each rank creates only the groups it is in; on any error
-        nothing is left behind. ``ranks`` (global ranks holding this one) builds the topology over that
-        subset of the world alone: sizes, layout and accessors refer to it, and only its ranks take
-        part, so disjoint subsets initialize, run and destroy side by side. megatron-core 0.17's
-        ``rank_offset`` / ``local_world_size`` spell the subset ``range(rank_offset, rank_offset +
-        local_world_size)``; as in megatron-core, every rank may call it, and on a rank outside that
-        range it builds nothing.
-        """
-        _initialize(InitArguments.from_call(dict(
-            tensor_model_parallel_size=tensor_model_parallel_size,
-            pipeline_model_parallel_size=pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-            pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend, use_sharp=use_sharp,
-            context_parallel_size=context_parallel_size,
-            hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
-            hybrid_context_parallel=hybrid_context_parallel, expert_model_parallel_size=expert_model_parallel_size,
-            num_distributed_optimizer_instances=num_distributed_optimizer_instances,
-            expert_tensor_parallel_size=expert_tensor_parallel_size,
-            nccl_communicator_config_path=nccl_communicator_config_path,
-            distributed_timeout_minutes=distributed_timeout_minutes, order=order,
-            get_embedding_ranks=get_embedding_ranks, get_position_embedding_ranks=get_position_embedding_ranks,
-            create_gloo_process_groups=create_gloo_process_groups,
-            high_priority_stream_groups=high_priority_stream_groups, sharp_enabled_group=sharp_enabled_group,
-            rank_offset=rank_offset, local_world_size=local_world_size, gtp_remat_size=gtp_remat_size,
-            expert_gtp_remat_size=expert_gtp_remat_size, create_all_gather_group=create_all_gather_group,
-            tp_size=tp_size, cp_size=cp_size, pp_size=pp_size, timeout=timeout, check_consistency=check_consistency,
-            ranks=ranks,
-        )))
+        _initialize(InitArguments.from_call(locals()))  # locals(): the call's arguments, by name
 elif releases.in_use() == "0.19":
     def initialize_model_parallel(
         tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
@@ -225,43 +118,7 @@ elif releases.in_use() == "0.19":
         pp_size: int | None = None, timeout: datetime.timedelta | None = None, check_consistency: bool = True,
         ranks: Sequence[int] | None = None,
     ) -> None:
-        """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
-
-        Takes the keywords of every megatron-core release from 0.16 to 0.19, and its positional
-        arguments in the order of the release in use (``parallel_state.megatron_release()``: the
-        installed megatron-core's, 0.16's when none is installed); the signature shows that release's.
-        ``tp_size``/``cp_size``/``pp_size`` are the MAGI-1 / WorldFoundry spellings, ``timeout`` sets
-        the groups' timeout more finely than ``distributed_timeout_minutes``. ``check_consistency``
-        compares every rank's arguments before any group is built and confirms every rank built its
-        groups afterwards (a round through the default store each, bounded by the timeout), so that all
-        ranks keep the groups or none does. Each rank creates only the groups it is in; on any error
-        nothing is left behind. ``ranks`` (global ranks holding this one) builds the topology over that
-        subset of the world alone: sizes, layout and accessors refer to it, and only its ranks take
-        part, so disjoint subsets initialize, run and destroy side by side. megatron-core 0.17's
-        ``rank_offset`` / ``local_world_size`` spell the subset ``range(rank_offset, rank_offset +
-        local_world_size)``; as in megatron-core, every rank may call it, and on a rank outside that
-        range it builds nothing.
-        """
-        _initialize(InitArguments.from_call(dict(
-            tensor_model_parallel_size=tensor_model_parallel_size,
-            pipeline_model_parallel_size=pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-            pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend, use_sharp=use_sharp,
-            context_parallel_size=context_parallel_size,
-            hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
-            hybrid_context_parallel=hybrid_context_parallel, expert_model_parallel_size=expert_model_parallel_size,
-            gtp_remat_size=gtp_remat_size, expert_gtp_remat_size=expert_gtp_remat_size,
-            num_distributed_optimizer_instances=num_distributed_optimizer_instances,
-            expert_tensor_parallel_size=expert_tensor_parallel_size,
-            nccl_communicator_config_path=nccl_communicator_config_path,
-            distributed_timeout_minutes=distributed_timeout_minutes, order=order,
-            get_embedding_ranks=get_embedding_ranks, get_position_embedding_ranks=get_position_embedding_ranks,
-            create_gloo_process_groups=create_gloo_process_groups,
-            high_priority_stream_groups=high_priority_stream_groups, sharp_enabled_group=sharp_enabled_group,
-            rank_offset=rank_offset, local_world_size=local_world_size, create_all_gather_group=create_all_gather_group,
-            tp_size=tp_size, cp_size=cp_size, pp_size=pp_size, timeout=timeout, check_consistency=check_consistency,
-            ranks=ranks,
-        )))
+        _initialize(InitArguments.from_call(locals()))  # locals(): the call's arguments, by name
 else:  # any release parallel_state does not know
     def initialize_model_parallel(
         tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
@@ -279,45 +136,13 @@ else:  # any release parallel_state does not know
         pp_size: int | None = None, timeout: datetime.timedelta | None = None, check_consistency: bool = True,
         ranks: Sequence[int] | None = None,
     ) -> None:
-        """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
-
-        Takes the keywords of every megatron-core release from 0.16 to 0.19, and its positional
-        arguments in the order of the release in use (``parallel_state.megatron_release()``: the
-        installed megatron-core's, 0.16's when none is installed); the signature shows that release's.
-        ``tp_size``/``cp_size``/``pp_size`` are the MAGI-1 / WorldFoundry spellings, ``timeout`` sets
-        the groups' timeout more finely than ``distributed_timeout_minutes``. ``check_consistency``
-        compares every rank's arguments before any group is built and confirms every rank built its
-        groups afterwards (a round through the default store each, bounded by the timeout), so that all
-        ranks keep the groups or none does. Each rank creates only the groups it is in; on any error
-        nothing is left behind. ``ranks`` (global ranks holding this one) builds the topology over that
-        subset of the world alone: sizes, layout and accessors refer to it, and only its ranks take
-        part, so disjoint subsets initialize, run and destroy side by side. megatron-core 0.17's
-        ``rank_offset`` / ``local_world_size`` spell the subset ``range(rank_offset, rank_offset +
-        local_world_size)``; as in megatron-core, every rank may call it, and on a rank outside that
-        range it builds nothing.
-        """
         if beyond:
             releases.refuse("initialize_model_parallel()", 9, len(beyond))
-        _initialize(InitArguments.from_call(dict(
-            tensor_model_parallel_size=tensor_model_parallel_size,
-            pipeline_model_parallel_size=pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-            pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend, use_sharp=use_sharp,
-            context_parallel_size=context_parallel_size,
-            hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
-            hybrid_context_parallel=hybrid_context_parallel, expert_model_parallel_size=expert_model_parallel_size,
-            gtp_remat_size=gtp_remat_size, expert_gtp_remat_size=expert_gtp_remat_size,
-            num_distributed_optimizer_instances=num_distributed_optimizer_instances,
-            expert_tensor_parallel_size=expert_tensor_parallel_size,
-            nccl_communicator_config_path=nccl_communicator_config_path,
-            distributed_timeout_minutes=distributed_timeout_minutes, order=order,
-            get_embedding_ranks=get_embedding_ranks, get_position_embedding_ranks=get_position_embedding_ranks,
-            create_gloo_process_groups=create_gloo_process_groups,
-            high_priority_stream_groups=high_priority_stream_groups, sharp_enabled_group=sharp_enabled_group,
-            create_all_gather_group=create_all_gather_group, rank_offset=rank_offset, local_world_size=local_world_size,
-            tp_size=tp_size, cp_size=cp_size, pp_size=pp_size, timeout=timeout, check_consistency=check_consistency,
-            ranks=ranks,
-        )))
+        del beyond  # empty
+        _initialize(InitArguments.from_call(locals()))  # locals(): the call's arguments, by name
+
+
+initialize_model_parallel.__doc__ = DOC  # one docstring for every release's def
 # </generated: initialize-model-parallel>
 
 

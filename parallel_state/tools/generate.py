@@ -193,7 +193,6 @@ def rank_generator_init() -> list[str]:
 def initialize_model_parallel() -> list[str]:
     """``initialize_model_parallel`` per release: the release's parameters, then every other release's,
     the aliases and parallel_state's own, keyword-only."""
-    from parallel_state.megatron.initialize import DOC
     from parallel_state.topology.init_arguments import ALIASES, InitArguments
 
     own = [(f.name, str(f.type), f.default) for f in InitArguments.own()]
@@ -206,12 +205,13 @@ def initialize_model_parallel() -> list[str]:
         if params.beyond:
             body += [f"    if {params.beyond}:",
                      f'        releases.refuse("initialize_model_parallel()", {len(params.positional)}, '
-                     f"len({params.beyond}))"]
-        body += bracketed("_initialize(InitArguments.from_call(dict(", [f"{n}={n}" for n in params.names()], ")))",
-                          "    ")
-        return [*def_line("initialize_model_parallel", params.text(), "None"), *docstring(DOC, "    "), *body]
+                     f"len({params.beyond}))",
+                     f"    del {params.beyond}  # empty"]
+        body.append("    _initialize(InitArguments.from_call(locals()))  # locals(): the call's arguments, by name")
+        return [*def_line("initialize_model_parallel", params.text(), "None"), *body]
 
-    return by_release(render, "")
+    return [*by_release(render, ""), "", "",
+            "initialize_model_parallel.__doc__ = DOC  # one docstring for every release's def"]
 
 
 def pg_collection_fields() -> list[str]:
