@@ -1346,7 +1346,7 @@ def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = 
         vpp = _lookup("vpp.size")
         if vpp is not None and _vp_stage(vp_stage, vpp) != 0:
             return False
-    return _lookup("pp.is_first")
+    return _A["pp.is_first"] if "pp.is_first" in _A else _lookup("pp.is_first")  # no call where it is there
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
@@ -1355,12 +1355,12 @@ def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = N
         vpp = _lookup("vpp.size")
         if vpp is not None and _vp_stage(vp_stage, vpp) != vpp - 1:
             return False
-    return _lookup("pp.is_last")
+    return _A["pp.is_last"] if "pp.is_last" in _A else _lookup("pp.is_last")  # no call where it is there
 
 
 def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether this rank holds word embeddings (unless ignore_virtual: in the model chunk that does)."""
-    if _A.get("embd.in") is not True:
+    if "embd.in" not in _A or _A["embd.in"] is not True:
         return False
     if ignore_virtual is True or flag("ignore_virtual", ignore_virtual):
         return True
