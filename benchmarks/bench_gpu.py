@@ -1,4 +1,4 @@
-"""The GPU check: ring, usp and masked attention in bfloat16 against one process's SDPA: error, peak memory, time.
+"""The GPU check: ring, usp, masked attention and the TE face in bfloat16 against one process's SDPA: error, memory, time.
 
 For each shape (a small one and a realistic video DiT size, 24 heads x 128, 21 latent frames of 1,560
 tokens = 32,760 tokens, batch 1), each call and each mask kind (full, causal, chunk-causal,
@@ -6,7 +6,9 @@ sliding-window, packed clips), on a world of one GPU (groups of one) and, when t
 several, on all of them (NCCL, one process per GPU): ``cp.ring_attention`` and ``cp.usp_attention``
 (Ulysses 2 x ring n/2 on parallel_state's hierarchical cp groups), plain (no mask; ``causal=True``)
 on the contiguous split and masked (``plan=cp.plan_dispatch(mask, length, n)``, the default plan),
-forward + backward in bfloat16. Against one process:
+and Transformer Engine's face (``cp.transformer_engine.DotProductAttention``, built as Cosmos builds it,
+bshd, p2p; no_mask on the contiguous split, causal on TE's DualChunkSwap layout), forward + backward in
+bfloat16. Against one process:
 
 - error: out, dq, dk, dv against a float32 reference (one process's fused SDPA under the dense
   mask), max |diff| and max |diff| / max |ref|, beside the same figures of one process's bfloat16
@@ -85,11 +87,21 @@ def usp_split(world: int) -> tuple[int, int]:
     return (2, world // 2) if world % 2 == 0 else (1, world)
 
 
+#: The masks Transformer Engine's face runs in this check, by TE's attn_mask_type.
+TE_MASK_TYPES = {"full": "no_mask", "causal": "causal"}
+
+
 def cases(shape: Shape) -> list[tuple[str, str, str]]:
     """(method, call, mask name) of every row for ``shape``, mask by mask (one reference each): the plain calls
-    (no mask; ``causal=True``) for full and causal, the default plan for every kind."""
-    return [(method, call, name) for name in masks(shape) for method in ("ring", "usp")
-            for call in (("plain", "plan") if name in ("full", "causal") else ("plan",))]
+    (no mask; ``causal=True``) for full and causal, the default plan for every kind, and Transformer Engine's face
+    (``cp.transformer_engine.DotProductAttention``, bshd, p2p) for no_mask and causal."""
+    rows = []
+    for name in masks(shape):
+        for method in ("ring", "usp"):
+            rows += [(method, call, name) for call in (("plain", "plan") if name in ("full", "causal") else ("plan",))]
+        if name in TE_MASK_TYPES:
+            rows.append(("te", "face", name))
+    return rows
 
 
 # ---------------------------------------------------------------- the reference (one process)
@@ -223,6 +235,9 @@ def _shape_rows(shape: Shape, rank: int, world: int, groups: dict[str, Any], dev
         if _any_rank(time.time() > deadline, device):
             row["status"] = "skipped: past the time budget"
             continue
+        if method == "te" and mask_name != "full" and length % (2 * world):
+            row["status"] = f"skipped: {length} tokens are no multiple of 2 x {world} ranks (TE's layout needs it)"
+            continue
         mask = masks(shape)[mask_name]
         try:
             if mask_name not in refs:  # the float32 reference and one process's bfloat16 SDPA, once per mask
@@ -248,7 +263,7 @@ def _shape_rows(shape: Shape, rank: int, world: int, groups: dict[str, Any], dev
         ref = refs[mask_name]
         row.update(sdpa_err=ref["sdpa_err"], sdpa_peak=ref["sdpa_peak"], ms=ms["ours"], sdpa_ms=ms["sdpa"],
                    efficiency=ms["sdpa"] / (world * ms["ours"]), status="ok",
-                   plan=plan.method if call == "plan" else "contiguous (plain call)",
+                   plan=plan.method if call in ("plan", "face") else "contiguous (plain call)",
                    transport=plan.transport, predicted_ms=plan.predicted_ms)
     return rows
 
@@ -261,12 +276,16 @@ def _case(method: str, call: str, mask_name: str, mask: Any, ref: dict[str, Any]
     import cp
 
     length, bf16 = full[0].shape[1], torch.bfloat16
-    plan = (cp.plan_dispatch(mask, length, world) if call == "plan"
-            else cp.plan_dispatch(cp.Mask.full(), length, world, method="contiguous"))
+    if call == "face":  # the face's layout: TE's DualChunkSwap, where the mask depends on positions
+        plan = (cp.plan_dispatch(mask, length, world, method="contiguous") if mask_name == "full"
+                else cp.plan_dual_chunk_swap(mask, length, world))
+    else:
+        plan = (cp.plan_dispatch(mask, length, world) if call == "plan"
+                else cp.plan_dispatch(cp.Mask.full(), length, world, method="contiguous"))
     mine = plan.index(rank).to(device)
     ins = [t[:, mine].to(bf16).requires_grad_(True) for t in full[:3]]
     grad = full[3][:, mine].to(bf16)
-    fn = _ours(method, call, mask_name, plan, groups["ring"], *groups["usp"])
+    fn = _ours(method, call, mask_name, plan, groups["ring"], *groups["usp"], shape=full[0].shape)
     err = errors(forward_backward(fn, ins, grad), tuple(t[:, mine] for t in ref["fp32"]), ref["scale"])
     peak = peak_bytes(lambda: forward_backward(fn, ins, grad), device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -275,10 +294,20 @@ def _case(method: str, call: str, mask_name: str, mask: Any, ref: dict[str, Any]
     return plan, err, peak, time_in_turns(ways, groups["ring"], {"reps": opts["reps"], "warmup": 1}, device=device)
 
 
-def _ours(method: str, call: str, mask_name: str, plan: Any, group: Any, ug: Any, rg: Any) -> Callable[..., Any]:
-    """The call a row measures: ring or usp, plain (``causal=True`` for causal) or on ``plan``."""
+def _ours(method: str, call: str, mask_name: str, plan: Any, group: Any, ug: Any, rg: Any,
+          shape: Any = None) -> Callable[..., Any]:
+    """The call a row measures: ring or usp, plain (``causal=True`` for causal) or on ``plan``; or Transformer
+    Engine's face as Cosmos builds it (bshd, p2p on ``group``), its [b, s, h * d] output viewed as [b, s, h, d]."""
     import cp
 
+    if method == "te":
+        from cp.transformer_engine import DotProductAttention
+
+        heads, dim = shape[2], shape[3]
+        face = DotProductAttention(heads, dim, num_gqa_groups=heads, attention_dropout=0, qkv_format="bshd",
+                                   attn_mask_type=TE_MASK_TYPES[mask_name])
+        face.set_context_parallel_group(group, None, None, "p2p")
+        return lambda q, k, v: face(q, k, v).unflatten(-1, (heads, dim))
     if call == "plain":
         causal = mask_name == "causal"
         if method == "ring":

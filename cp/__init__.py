@@ -10,10 +10,19 @@ from cp.broadcast import broadcast, broadcast_split_tensor, robust_broadcast
 from cp.counting import AttentionCount, count_attention
 from cp.dispatch import dispatch, undispatch
 from cp.objects import cat_outputs_cp_object_list, split_inputs_cp_object_list
+from cp.samples import SampleGroup, plan_samples, run_samples, sample_groups
 from cp.shard import cat_outputs_cp, cat_outputs_cp_with_grad, shard_sizes, split_inputs_cp
 from cp.workspace import release_gather_workspace
 from parallel_state import AttentionMask as Mask  # noqa: F401  (one class: cp.Mask is parallel_state.AttentionMask)
-from parallel_state import AttentionShape, CostRates, DispatchPlan, plan_dispatch  # noqa: F401
+from parallel_state import (  # noqa: F401
+    AttentionShape,
+    CostRates,
+    DispatchPlan,
+    Placement,
+    SamplePlan,
+    plan_dispatch,
+    plan_dual_chunk_swap,
+)
 
 #: Imported on first use: most programs pick one attention method, and import time is per process.
 _LAZY = {"ring_attention": "cp.ring", "usp_attention": "cp.usp", "measure_rates": "cp.rates", "clear_rates": "cp.rates"}
@@ -36,6 +45,9 @@ __all__ = [
     "CostRates",
     "DispatchPlan",
     "Mask",
+    "Placement",
+    "SampleGroup",
+    "SamplePlan",
     "broadcast",
     "broadcast_split_tensor",
     "cat_outputs_cp",
@@ -47,9 +59,13 @@ __all__ = [
     "heads_to_seq",
     "measure_rates",
     "plan_dispatch",
+    "plan_dual_chunk_swap",
+    "plan_samples",
     "release_gather_workspace",
     "ring_attention",
     "robust_broadcast",
+    "run_samples",
+    "sample_groups",
     "sdpa_in_layout",
     "seq_to_heads",
     "shard_sizes",

@@ -14,6 +14,10 @@ DeviceMesh views, logging) and ``tools`` (``python -m parallel_state``), with th
 ``errors``.
 """
 
+import importlib as _importlib
+import sys as _sys
+import types as _types
+
 #: megatron-core re-exports it from its module; code reaches it there.
 from datetime import timedelta  # noqa: F401
 
@@ -136,7 +140,6 @@ from parallel_state.megatron.memory import (  # noqa: F401
     GlobalMemoryBuffer,
     GlobalSymmetricMemoryBuffer,
     SymmetricMemoryManager,
-    _set_global_symmetric_memory_buffer,
     destroy_global_memory_buffer,
     destroy_global_symmetric_memory_buffer,
     get_global_memory_buffer,
@@ -157,7 +160,7 @@ from parallel_state.runtime.resolve import collective_device, resolve_global_ran
 from parallel_state.topology.attention_mask import AttentionMask  # noqa: F401
 from parallel_state.topology.cp_plan import ContextParallelPlan, plan_context_parallel, shard_sizes  # noqa: F401
 from parallel_state.topology.dispatch_cost import AttentionShape, CostRates  # noqa: F401
-from parallel_state.topology.dispatch_plan import DispatchPlan, plan_dispatch  # noqa: F401
+from parallel_state.topology.dispatch_plan import DispatchPlan, plan_dispatch, plan_dual_chunk_swap  # noqa: F401
 from parallel_state.topology.init_arguments import InitArguments  # noqa: F401
 from parallel_state.topology.plan import (  # noqa: F401
     DEFAULT_ORDER,
@@ -167,14 +170,49 @@ from parallel_state.topology.plan import (  # noqa: F401
 )
 from parallel_state.topology.rank_generator import RankGenerator, generate_masked_orthogonal_rank_groups  # noqa: F401
 from parallel_state.topology.releases import in_use as megatron_release  # noqa: F401
+from parallel_state.topology.sample_plan import Placement, SamplePlan, plan_samples  # noqa: F401
 
 
 def __getattr__(name: str) -> object:
-    """megatron-core's private globals (``_TENSOR_MODEL_PARALLEL_GROUP``, ...), read live from the state."""
-    import importlib
-
-    # Not ``from parallel_state import ...``: that looks the submodule up here first and recurses.
-    megatron_globals = importlib.import_module("parallel_state.megatron.megatron_globals")
-    if name in megatron_globals.NAMES:
-        return megatron_globals.value(name)
+    """megatron-core's private globals (``_TENSOR_MODEL_PARALLEL_GROUP``, ...), read live from the state, and
+    its private functions that code calls from outside (``_set_global_memory_buffer``)."""
+    if name[:1] == "_" and name[:2] != "__":
+        if name in _megatron_globals().NAMES:
+            return _megatron_globals().value(name)
+        function = _writes().FUNCTIONS.get(name)
+        if function is not None:
+            return function
     raise AttributeError(f"module 'parallel_state' has no attribute {name!r}")
+
+
+def _megatron_globals() -> _types.ModuleType:
+    # Imported on first use, not by ``import parallel_state``; and not with ``from parallel_state import``,
+    # which looks the submodule up here first and recurses.
+    return _importlib.import_module("parallel_state.megatron.megatron_globals")
+
+
+def _writes() -> _types.ModuleType:
+    return _importlib.import_module("parallel_state.megatron.writes")
+
+
+class _Module(_types.ModuleType):
+    """The type of the ``parallel_state`` module: ``parallel_state._CONTEXT_PARALLEL_GROUP = group`` (any of
+    megatron-core's private globals) takes effect in every getter, as in megatron-core, through the
+    answers (``megatron.writes``), or raises naming the public way; ``del`` drops the write."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name[:1] == "_" and name[:2] != "__" and name in _megatron_globals().NAMES:
+            _writes().write(name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name[:1] == "_" and name[:2] != "__" and name in _megatron_globals().NAMES:
+            _writes().forget(name)
+        else:
+            super().__delattr__(name)
+
+
+# A module's type is the supported hook for its attribute writes. Attribute reads cost what they did:
+# CPython does not specialize them on a module with a ``__getattr__`` (above) either.
+_sys.modules[__name__].__class__ = _Module

@@ -28,7 +28,7 @@ def _masks(length):
     """Every mask kind, sized for a sequence of ``length`` tokens (16 < length)."""
     segments = (7, 9, length - 16)
     return [cp.Mask.full(), cp.Mask.causal(), cp.Mask.chunk_causal(4), cp.Mask.sliding_window(3, 2),
-            cp.Mask.packed(segments), cp.Mask.packed(segments, chunk=3)]
+            cp.Mask.packed(segments), cp.Mask.packed(segments, chunk=3), cp.Mask.token_window(4, 2)]
 
 
 #: (q heads, kv heads, seq_dim, head_dim): MHA in [B, S, H, D], GQA in [B, H, S, D], MQA in [B, S, H, D].
@@ -45,7 +45,16 @@ def _cases(n):
         for j, mask in enumerate(_masks(length)):
             if (i + j) % 2 == 0:  # each (mask, method) pair once per group, alternating lengths
                 out.append((mask, length, method, HEADS[(i + j) % 3]))
+    # megatron-core's and Transformer Engine's layout (2n equal chunks, rank r holding r and 2n-1-r), two masks
+    out += [(cp.Mask.causal(), 6 * n, "dual_chunk_swap", HEADS[n % 3]),
+            (cp.Mask.token_window(3, 2), 4 * n, "dual_chunk_swap", HEADS[(n + 1) % 3])]
     return out
+
+
+def _plan(mask, length, n, method):
+    if method == "dual_chunk_swap":
+        return cp.plan_dual_chunk_swap(mask, length, n)
+    return cp.plan_dispatch(mask, length, n, method=method)
 
 
 def _qkvw(length, heads, s, h, seed):
@@ -173,7 +182,7 @@ def case_ring_and_ulysses():
                 cp.kernels.use_fused = c % 2 == 0  # the fused CPU kernel and the plain matmuls take turns
                 # Every transport takes its turn (the layout by mask alone uses the plan's default).
                 transport = cp.engine.TRANSPORTS[c % 3]
-                plan = _with_transport(cp.plan_dispatch(mask, length, n, method=method), transport)
+                plan = _with_transport(_plan(mask, length, n, method), transport)
                 q, k, v, w = _qkvw(length, heads, s, h, 10 * c)
                 # The contiguous layout also by mask alone (with length=), as the plan the ring makes for it.
                 by_mask = method == "contiguous" and c % 4 == 1
@@ -228,7 +237,7 @@ def case_usp():
         for c, (mask, length, method, heads) in enumerate(_cases(4) + clips):
             _, _, s, h = heads
             cp.kernels.use_fused = c % 2 == 1
-            plan = _with_transport(cp.plan_dispatch(mask, length, 4, method=method), cp.engine.TRANSPORTS[c % 3])
+            plan = _with_transport(_plan(mask, length, 4, method), cp.engine.TRANSPORTS[c % 3])
             q, k, v, w = _qkvw(length, heads, s, h, 10 * c)
             kwargs = {"mask": mask, "length": length} if method == "contiguous" and c % 4 == 1 else {"plan": plan}
 
@@ -423,7 +432,8 @@ def test_schedule_tiles_cover_every_allowed_pair_once():
     kinds = set()
     from cp import mask_schedule
 
-    for mask, tiles in zip(_masks(29) * 2, [(16, 128)] * 6 + [(2, 3)] * 6, strict=True):
+    n = len(_masks(29))
+    for mask, tiles in zip(_masks(29) * 2, [(16, 128)] * n + [(2, 3)] * n, strict=True):
         mask_schedule.FULL_ROWS, mask_schedule.TILE_ROWS = tiles  # default tiles, and small ones of every kind
         for method in ("balanced", "contiguous"):
             plan = cp.plan_dispatch(mask, 29, 3, method=method)

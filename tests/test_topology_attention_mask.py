@@ -35,6 +35,8 @@ def brute(mask: Mask, length: int) -> torch.Tensor:
             elif mask.kind == "sliding_window":
                 ci, cj = i // mask.chunk, j // mask.chunk
                 ok = ci - mask.window < cj <= ci
+            elif mask.kind == "token_window":
+                ok = (mask.left is None or j >= i - mask.left) and (mask.right is None or j <= i + mask.right)
             else:
                 ok = seg_of[i] == seg_of[j]
                 if ok and mask.chunk is not None:
@@ -57,6 +59,9 @@ def cases():
     for lengths in ((6,), (2, 5, 1), (4, 4, 4), (1, 1, 3), (7, 2)):
         for chunk in (None, 1, 2, 3, 10):
             out.append((Mask.packed(lengths, chunk), sum(lengths)))
+    for n in (1, 6, 13):
+        for left, right in ((0, 0), (2, 0), (3, 1), (1, 4), (None, 2), (5, None), (20, 20)):
+            out.append((Mask.token_window(left, right), n))
     return out
 
 
@@ -106,14 +111,21 @@ def test_value_semantics_and_one_class():
     assert Mask.causal().is_causal_like and Mask.packed([3], 1).is_causal_like
     assert not Mask.full().is_causal_like and not Mask.packed([3]).is_causal_like
     assert Mask.packed([2, 3]).segment_bounds(5) == (0, 2, 5) and Mask.causal().segment_bounds(5) == (0, 5)
+    # Transformer Engine's window_size=(left, right), -1 as None: one value per mask
+    assert Mask.token_window(None, 0) == Mask.causal() and Mask.token_window(None, None) == Mask.full()
+    assert Mask.token_window(3, 0).is_causal_like and not Mask.token_window(3, 1).is_causal_like
+    assert Mask.token_window(2, 1) == Mask("token_window", left=2, right=1) != Mask.token_window(1, 2)
 
 
 def test_text_form_round_trips():
     masks = [Mask.full(), Mask.causal(), Mask.chunk_causal(4680), Mask.sliding_window(1560, 4),
-             Mask.packed([9360, 23400]), Mask.packed([3, 4, 5], 2)]
+             Mask.packed([9360, 23400]), Mask.packed([3, 4, 5], 2), Mask.token_window(128, 0),
+             Mask.token_window(None, 4), Mask.token_window(3, None)]
     for mask in masks:
         assert Mask.parse(str(mask)) == mask
     assert str(Mask.packed([3, 4], 2)) == "packed:3+4,2"
+    assert str(Mask.token_window(None, 4)) == "token_window:-1,4"
+    assert Mask.parse("token_window:-1,0") == Mask.causal()
     assert Mask.parse("chunk_causal:3f", frame_tokens=1560) == Mask.chunk_causal(4680)
     assert Mask.parse("sliding_window:1f,4", frame_tokens=1560) == Mask.sliding_window(1560, 4)
     assert Mask.parse(" packed: 7f + 14f , 3f", frame_tokens=1560) == Mask.packed([10920, 21840], 4680)
@@ -142,6 +154,10 @@ def test_text_form_round_trips():
     (lambda: Mask.packed(5), TypeError, ["lengths must be a sequence"]),
     (lambda: Mask.packed("34"), TypeError, ["lengths must be a sequence"]),
     (lambda: Mask.packed([3], chunk=0), ValueError, ["chunk must be >= 1"]),
+    (lambda: Mask.token_window(-2, 0), ValueError, ["left must be >= 0 tokens or None (unbounded), got -2"]),
+    (lambda: Mask.token_window(2, 1.5), TypeError, ["right must be an int"]),
+    (lambda: Mask("token_window", right=0), ValueError, ["is AttentionMask.causal()", "token_window(left, right)"]),
+    (lambda: Mask("token_window", left=2, chunk=4), ValueError, ["a token_window mask takes no chunk"]),
     (lambda: Mask("banded"), ValueError, ["unknown kind 'banded'"]),
     (lambda: Mask("causal", chunk=3), ValueError, ["a causal mask takes no chunk"]),
     (lambda: Mask("full", lengths=(3,)), ValueError, ["a full mask takes no lengths"]),

@@ -282,3 +282,46 @@ def test_bad_shapes():
         with pytest.raises(ps.ParallelStateError, match=fragment):
             ps.AttentionShape(**kwargs)
     assert ps.AttentionShape(heads=8, kv_heads=2, dtype=4).itemsize == 4
+
+
+def test_dual_chunk_swap_is_megatron_cores_layout_on_one_sequence_and_per_packed_sequence():
+    """Rank r holds chunk r then chunk 2cp-1-r of every sequence (megatron-core's get_batch_on_this_cp_rank), the
+    tokens ascending; with cu_seqlens each sequence separately; the work is the mask's pairs of those queries."""
+    for cp_size in (1, 2, 3, 4):
+        for bounds in ((0, 8 * cp_size), (0, 2 * cp_size, 2 * cp_size, 8 * cp_size, 12 * cp_size)):
+            length = bounds[-1]
+            mask = Mask.packed([b - a for a, b in zip(bounds, bounds[1:], strict=False) if b > a], chunk=1)
+            plan = ps.plan_dual_chunk_swap(mask, length, cp_size, cu_seqlens=list(bounds))
+            assert cp.plan_dual_chunk_swap is ps.plan_dual_chunk_swap and plan.method == "dual_chunk_swap"
+            dense = mask.dense(length)
+            for r in range(cp_size):
+                want = []
+                for a, b in zip(bounds, bounds[1:], strict=False):
+                    chunk = (b - a) // (2 * cp_size)
+                    want += list(range(a + r * chunk, a + (r + 1) * chunk))
+                    want += list(range(b - (r + 1) * chunk, b - r * chunk))
+                assert list(plan.positions[r]) == want, (cp_size, bounds, r)
+                assert plan.work[r] == int(dense[want].sum())
+            assert plan.predicted_ms > 0 and plan.transport == "p2p"
+    causal = ps.plan_dual_chunk_swap(Mask.causal(), 64, 4, transport="ring")
+    assert causal.balance == 1.0 and causal.transport == "ring"  # one early and one late chunk each: even work
+    assert ps.plan_dual_chunk_swap(Mask.causal(), 64, 4, transport="ring") is causal  # cached
+    assert ps.plan_dual_chunk_swap(Mask.causal(), 64, 4, cu_seqlens=torch.tensor([0, 64])) == \
+        ps.plan_dual_chunk_swap(Mask.causal(), 64, 4, transport="p2p")
+
+
+@pytest.mark.parametrize("args, kwargs, exc, fragment", [
+    ((Mask.causal(), 18, 2), {}, ValueError, "the sequence has 18 tokens, not a multiple of 2 * cp_size = 4; pad"),
+    ((Mask.causal(), 24, 2), {"cu_seqlens": [0, 6, 24]}, ValueError, "sequence 0 (tokens 0 to 6) has 6 tokens"),
+    ((Mask.causal(), 24, 2), {"cu_seqlens": [0, 8, 20]}, ValueError, "must rise from 0 to the total length 24"),
+    ((Mask.causal(), 24, 2), {"cu_seqlens": [0, 16, 8, 24]}, ValueError, "must rise from 0"),
+    ((Mask.causal(), 24, 2), {"cu_seqlens": "0,24"}, TypeError, "cu_seqlens must be a 1-D sequence"),
+    ((Mask.causal(), 24, 2), {"transport": "a2a"}, ValueError, "transport='a2a' is not one of"),
+    ((Mask.causal(), 24, 0), {}, ValueError, "cp_size=0 must be >= 1"),
+    (("causal", 24, 2), {}, TypeError, "mask must be an AttentionMask"),
+    ((Mask.packed([8, 8]), 24, 2), {}, ValueError, "segments add up to 16 tokens but the sequence has 24"),
+])
+def test_dual_chunk_swap_bad_arguments(args, kwargs, exc, fragment):
+    with pytest.raises(exc) as info:
+        ps.plan_dual_chunk_swap(*args, **kwargs)
+    assert isinstance(info.value, ps.ParallelStateError) and fragment in str(info.value)

@@ -53,8 +53,11 @@ class ParallelState:
 _state: ParallelState | None = None
 #: Values set through Megatron's set_* functions; they win over the live groups, as in Megatron.
 overrides: dict[str, Any] = {}
+#: megatron-core's private globals written by hand (``parallel_state._CONTEXT_PARALLEL_GROUP = g``), by
+#: name: they replace what the live groups answer, as in megatron-core, until destroy_model_parallel().
+written: dict[str, Any] = {}
 _teardown_hooks: list[Callable[[], None]] = []
-#: Called after every change of the state or the overrides (the accessors' answers refresh there).
+#: Called after every change of the state, the overrides or the written globals (the answers refresh there).
 _change_hooks: list[Callable[[], None]] = []
 
 
@@ -69,13 +72,39 @@ def _changed() -> None:
         hook()
 
 
-def set_override(key: str, value: Any) -> None:
-    """Set (or, with None, clear) one of Megatron's set_* values, which win over the live groups."""
+def set_override(key: str, value: Any, name: str | None = None) -> None:
+    """Set (or, with None, clear) one of Megatron's set_* values, which win over the live groups: a rank
+    is an int >= 0, a size an int >= 1 (errors name ``name``, default ``key``)."""
+    from parallel_state.topology.arguments import non_negative_int, positive_int
+
     if value is None:
         overrides.pop(key, None)
     else:
-        overrides[key] = value
+        overrides[key] = (non_negative_int if key.endswith("rank") else positive_int)(name or key, value)
     _changed()
+
+
+def write_global(name: str, value: Any) -> None:
+    """Record a write of megatron-core's private global ``name`` (the answers follow); on an error, none."""
+    previous = written.get(name, _UNSET)
+    written[name] = value
+    try:
+        _changed()
+    except BaseException:
+        if previous is _UNSET:
+            forget_global(name)
+        else:
+            write_global(name, previous)
+        raise
+
+
+def forget_global(name: str) -> None:
+    """Drop the write of ``name``: the live groups answer for it again."""
+    if written.pop(name, _UNSET) is not _UNSET:
+        _changed()
+
+
+_UNSET = object()
 
 
 def current(what: str = "this accessor") -> ParallelState:
@@ -132,6 +161,14 @@ def build(
             "model-parallel groups are already initialized; call "
             "parallel_state.destroy_model_parallel() before initializing again"
         )
+    held = [name for name, value in written.items() if value is not None]
+    if held:
+        # As megatron-core's initialize asserts its globals are None before it sets them.
+        raise ParallelStateAssertionError(
+            f"model-parallel groups are already initialized by hand: {', '.join(held)} "
+            f"{'was' if len(held) == 1 else 'were'} written; call parallel_state.destroy_model_parallel() "
+            f"(which forgets the writes) before initialize_model_parallel"
+        )
     rank = dist.get_rank()
     members = plan.ranks
     if members is not None and eager_nccl():
@@ -160,6 +197,7 @@ def build(
             state.group_keys = dict(entry.keys)
             state.from_cache = True
             _state = state
+            written.clear()  # Nones only (checked above): initialize sets those globals, as megatron-core's does
             _changed()
             return state
     reuse = caching and not eager_nccl()  # eager NCCL: every rank takes part in every creation
@@ -184,6 +222,7 @@ def build(
     batch.close()
     state.owned = batch.created + used
     _state = state
+    written.clear()  # Nones only (checked above): initialize sets those globals, as megatron-core's does
     _changed()
     return state
 
@@ -291,6 +330,7 @@ def teardown() -> None:
 
     state, _state = _state, None
     overrides.clear()
+    written.clear()
     errors: list[BaseException] = []
     for hook in list(_teardown_hooks):
         try:

@@ -94,7 +94,7 @@ def _group(name: str, key: str, doc: str, returns: str = "Any") -> None:
 
 # --- lifecycle -------------------------------------------------------------------------------
 
-_value("is_initialized", "initialized", "Whether the model-parallel groups exist (megatron-core: the data-parallel "
+_value("is_initialized", "dp.exists", "Whether the model-parallel groups exist (megatron-core: the data-parallel "
        "group is set).", "bool", absent=False)
 _value("model_parallel_is_initialized", "initialized", "Whether the tensor-, pipeline- and data-parallel groups exist.",
        "bool", absent=False)

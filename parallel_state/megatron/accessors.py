@@ -36,11 +36,12 @@ from parallel_state.megatron.accessor_keys import answer
 from parallel_state.megatron.answers import ANSWERS as _A
 from parallel_state.megatron.answers import lookup as _lookup
 from parallel_state.topology import releases
-from parallel_state.topology.arguments import flag, non_negative_int, positive_int
+from parallel_state.topology.arguments import flag, non_negative_int
 
 # <generated: accessors> by `python -m parallel_state.tools.generate` from accessor_keys.RULES and the release table
 #: Each global an accessor reads on its fast path, and the answer it holds (``refresh`` sets them).
 VARIABLES: dict[str, str] = {
+    "_DP_EXISTS": "dp.exists",
     "_INITIALIZED": "initialized",
     "_TP_PP_GROUP": "tp-pp.group",
     "_TP_GROUP": "tp.group",
@@ -140,7 +141,7 @@ VARIABLES: dict[str, str] = {
 def is_initialized() -> bool:
     """Whether the model-parallel groups exist (megatron-core: the data-parallel group is set)."""
     try:
-        return _INITIALIZED
+        return _DP_EXISTS
     except NameError:
         return answer("is_initialized")
 
@@ -1240,7 +1241,7 @@ def is_unitialized() -> bool:
     """Deprecated megatron-core spelling of ``not is_initialized()``."""
     # Level 1, as megatron-core: a deeper level walks frames on every call of a hot deprecated name.
     warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, 1)
-    return "initialized" not in _A
+    return not _A.get("dp.exists", False)
 
 
 def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, group_size: int | None = None) -> Any:
@@ -1267,65 +1268,61 @@ def get_tensor_model_parallel_last_rank(with_context_parallel: bool = False) -> 
     return get_tensor_model_parallel_ranks(with_context_parallel)[-1]
 
 
-# --- megatron-core's testing hooks: each overrides one answer (megatron-core's parameter names) --------
-
-def _override(key: str, value: int | None, check: Any) -> None:
-    _st.set_override(key, None if value is None else check(key, value))
-
+# --- megatron-core's testing hooks: each overrides one answer (checked by state.set_override) ----------
 
 def set_tensor_model_parallel_world_size(world_size: int | None) -> None:
     """Override the tensor model parallel world size (megatron-core's testing hook); None clears it."""
-    _override("tensor_model_parallel_world_size", world_size, positive_int)
+    _st.set_override("tensor_model_parallel_world_size", world_size)
 
 
 def set_tensor_model_parallel_rank(rank: int | None) -> None:
     """Override the tensor model parallel rank (megatron-core's testing hook); None clears it."""
-    _override("tensor_model_parallel_rank", rank, non_negative_int)
+    _st.set_override("tensor_model_parallel_rank", rank)
 
 
 def set_pipeline_model_parallel_world_size(world_size: int | None) -> None:
     """Override the pipeline model parallel world size (megatron-core's testing hook); None clears it."""
-    _override("pipeline_model_parallel_world_size", world_size, positive_int)
+    _st.set_override("pipeline_model_parallel_world_size", world_size)
 
 
 def set_pipeline_model_parallel_rank(rank: int | None) -> None:
     """Override the pipeline model parallel rank (megatron-core's testing hook); None clears it."""
-    _override("pipeline_model_parallel_rank", rank, non_negative_int)
+    _st.set_override("pipeline_model_parallel_rank", rank)
 
 
 def set_data_parallel_rank(rank: int | None) -> None:
     """Override the data parallel rank (megatron-core's testing hook); None clears it."""
-    _override("data_parallel_rank", rank, non_negative_int)
+    _st.set_override("data_parallel_rank", rank)
 
 
 def set_virtual_pipeline_model_parallel_world_size(world_size: int | None) -> None:
     """Override the virtual pipeline model parallel world size (megatron-core's testing hook); None clears it."""
-    _override("virtual_pipeline_model_parallel_world_size", world_size, positive_int)
+    _st.set_override("virtual_pipeline_model_parallel_world_size", world_size)
 
 
 def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
     """Override the virtual pipeline model parallel rank (megatron-core's testing hook); None clears it."""
-    _override("virtual_pipeline_model_parallel_rank", rank, non_negative_int)
+    _st.set_override("virtual_pipeline_model_parallel_rank", rank)
 
 
 def set_expert_model_parallel_world_size(world_size: int | None) -> None:
     """Override the expert model parallel world size (megatron-core's testing hook); None clears it."""
-    _override("expert_model_parallel_world_size", world_size, positive_int)
+    _st.set_override("expert_model_parallel_world_size", world_size)
 
 
 def set_expert_model_parallel_rank(rank: int | None) -> None:
     """Override the expert model parallel rank (megatron-core's testing hook); None clears it."""
-    _override("expert_model_parallel_rank", rank, non_negative_int)
+    _st.set_override("expert_model_parallel_rank", rank)
 
 
 def set_expert_tensor_parallel_world_size(world_size: int | None) -> None:
     """Override the expert tensor parallel world size (megatron-core's testing hook); None clears it."""
-    _override("expert_tensor_parallel_world_size", world_size, positive_int)
+    _st.set_override("expert_tensor_parallel_world_size", world_size)
 
 
 def set_expert_tensor_parallel_rank(rank: int | None) -> None:
     """Override the expert tensor parallel rank (megatron-core's testing hook); None clears it."""
-    _override("expert_tensor_parallel_rank", rank, non_negative_int)
+    _st.set_override("expert_tensor_parallel_rank", rank)
 
 
 # --- pipeline stages -------------------------------------------------------------------------
@@ -1364,7 +1361,9 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
         return False
     if ignore_virtual is True or flag("ignore_virtual", ignore_virtual):
         return True
-    ranks, rank = _lookup("embd.ranks"), _st.current("is_rank_in_embedding_group").rank
+    import torch.distributed as dist
+
+    ranks, rank = _lookup("embd.ranks"), dist.get_rank()
     if rank == ranks[0]:
         return is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if rank == ranks[-1]:

@@ -1,11 +1,17 @@
 """Make ``megatron.core.parallel_state`` answer with this project's process groups.
 
 megatron-core's accessors read module globals; the bridge points those globals at the groups
-``initialize_model_parallel`` built (the very objects, no second set of groups), and the teardown
-hook points them back to None. While bridged, megatron-core's own ``destroy_model_parallel`` is
-routed to ours, so the groups are destroyed once, by their owner: megatron's version would call
-``destroy_process_group`` on the gloo data-parallel groups, which are ours (and, on a gloo world,
-the data-parallel groups themselves).
+``initialize_model_parallel`` built (the very objects, no second set of groups) and at whatever
+was written to ``parallel_state``'s private globals, follows every later change of them, and the
+teardown hook points them back to None. While bridged, megatron-core's own
+``destroy_model_parallel`` is routed to ours, so the groups are destroyed once, by their owner:
+megatron's version would call ``destroy_process_group`` on the gloo data-parallel groups, which
+are ours (and, on a gloo world, the data-parallel groups themselves).
+
+A write to megatron-core's own module while bridged is megatron-core's: its getters read it, as
+they always do, and parallel_state's do not (intercepting it needs a module type of its own, which
+would slow every ``mpu.get_*()`` call megatron-core's code makes); the bridge writes that global
+again only when parallel_state's value of it changes, and destroy clears it.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ _MEGATRON = "megatron.core.parallel_state"
 _LIVE = ("_TENSOR_MODEL_PARALLEL_GROUP", "_PIPELINE_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP",
          "_CONTEXT_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP")
 
-#: The state megatron-core currently reads, what we wrote into it, and megatron-core's own destroy.
-_bridged: _st.ParallelState | None = None
+#: Whether megatron-core currently reads parallel_state's globals, what we wrote into it, and
+#: megatron-core's own destroy.
+_bridged = False
 _written: dict[str, Any] = {}
 _megatron_destroy: Callable[[], None] | None = None
 
@@ -49,7 +56,7 @@ def megatron_clash() -> str | None:
     mps = sys.modules.get(_MEGATRON)
     if mps is None:
         return None
-    ours = {id(g) for g in _bridged.groups.values()} if _bridged is not None else set()
+    ours = {id(value) for value in _written.values()}
     foreign = [name for name in _LIVE if getattr(mps, name, None) is not None and id(getattr(mps, name)) not in ours]
     if not foreign:
         return None
@@ -66,9 +73,10 @@ def bridge_megatron() -> bool:
     After it, every megatron-core global that its own ``initialize_model_parallel`` sets (the
     groups of every kind, expert, embedding and distributed-optimizer ones included, their
     global ranks, the gloo groups, the memory buffer) holds the very object ``parallel_state``
-    returns, so megatron-core's accessors and the code that reads its globals see our groups.
-    Before ``initialize_model_parallel`` it only loads megatron-core and returns False:
-    initialize then bridges by itself. Idempotent.
+    returns, so megatron-core's accessors and the code that reads its globals see our groups,
+    and holds it again after every change (an override, a write of a private global). Before
+    ``initialize_model_parallel`` (or a write of one of megatron-core's globals) it only loads
+    megatron-core and returns False: initialize (or the write) then bridges by itself. Idempotent.
     ``destroy_model_parallel()`` (ours, or megatron-core's while bridged) resets megatron-core's view.
 
     Raises ImportError (saying ``pip install parallel-state[megatron]``) without megatron-core,
@@ -76,17 +84,12 @@ def bridge_megatron() -> bool:
     """
     global _bridged, _megatron_destroy
     mps = import_megatron()
-    state = _st.peek()
-    if state is None:
+    if _st.peek() is None and not _st.written:
         return False
     clash = megatron_clash()
     if clash is not None:
         raise ParallelStateError(clash)
-    from parallel_state.megatron import megatron_globals
-
-    # Only the globals the loaded release has (the release table's GLOBALS: 0.19 adds the gtp_remat
-    # ones, 0.18 drops the all-gather one); for a release the table does not know, those its module has.
-    values = {name: value for name, value in megatron_globals.values().items() if _has(mps, name)}
+    values = _values(mps)
     # Everything that can fail has run; from here on only assignments.
     for name, value in values.items():
         setattr(mps, name, value)
@@ -95,7 +98,7 @@ def bridge_megatron() -> bool:
     if mps.destroy_model_parallel is not _routed_megatron_destroy:
         _megatron_destroy = mps.destroy_model_parallel
         mps.destroy_model_parallel = _routed_megatron_destroy
-    _bridged = state
+    _bridged = True
     _st.register_teardown_hook(_unbridge)
     from parallel_state.megatron.cp_size_t import mirror_cp_size_t
 
@@ -109,30 +112,46 @@ def _has(mps: Any, name: str) -> bool:
     return hasattr(mps, name) if known is None else known
 
 
-def _follow_overrides() -> None:
-    """Change hook: a set_* override made while bridged reaches megatron-core's _MPU_* globals too."""
-    mps = sys.modules.get(_MEGATRON)
-    if _bridged is None or mps is None or _st.peek() is not _bridged:
-        return
+def _values(mps: Any) -> dict[str, Any]:
+    """parallel_state's value of each global the loaded megatron-core ``mps`` has."""
     from parallel_state.megatron import megatron_globals
 
-    for name in megatron_globals.FROM_OVERRIDES:
-        if not _has(mps, name):
-            continue
-        value = megatron_globals.value(name)
-        setattr(mps, name, value)
-        _written[name] = value
-    for name in ("_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK", "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE"):
-        _written[name] = megatron_globals.value(name)
-        setattr(mps, name, _written[name])
+    # Only the globals the loaded release has (the release table's GLOBALS: 0.19 adds the gtp_remat
+    # ones, 0.18 drops the all-gather one); for a release the table does not know, those its module has.
+    return {name: value for name, value in megatron_globals.values().items() if _has(mps, name)}
 
 
-_st.on_change(_follow_overrides)
+def _follow() -> None:
+    """Change hook: while bridged, each global whose value changed (a set_* override, a write of a
+    private global) reaches megatron-core's module too; the others stay as they are."""
+    mps = sys.modules.get(_MEGATRON)
+    if not _bridged or mps is None:
+        return
+    for name, value in _values(mps).items():
+        # Equal is unchanged: a refresh makes new lists of the same global ranks.
+        if name not in _written or not (_written[name] is value or _written[name] == value):
+            setattr(mps, name, value)
+            _written[name] = value
+
+
+_st.on_change(_follow)
+
+
+def follow_write() -> None:
+    """After a write of one of megatron-core's globals on parallel_state: where megatron-core is loaded,
+    bridge it (unless it holds groups it built itself, then it keeps them), or bring it up to date."""
+    mps = sys.modules.get(_MEGATRON)
+    if mps is None:
+        return
+    if _bridged:
+        _follow()
+    elif megatron_clash() is None:
+        bridge_megatron()
 
 
 def is_bridged() -> bool:
     """Whether megatron-core currently reads this project's groups."""
-    return _bridged is not None
+    return _bridged
 
 
 def _unbridge() -> None:
@@ -142,14 +161,14 @@ def _unbridge() -> None:
     if mps is not None:
         from parallel_state.megatron.megatron_globals import EMPTY
 
-        for name, value in _written.items():
-            # Only what still holds our value: megatron-core may have been reset meanwhile.
-            if value is not None and getattr(mps, name, None) is value:
-                setattr(mps, name, EMPTY[name]() if name in EMPTY else None)
+        # Every global bridged, also one written on megatron-core's module meanwhile: destroy clears it
+        # there too, as megatron-core's own destroy would.
+        for name in _written:
+            setattr(mps, name, EMPTY[name]() if name in EMPTY else None)
         if _megatron_destroy is not None and mps.destroy_model_parallel is _routed_megatron_destroy:
             mps.destroy_model_parallel = _megatron_destroy
     _written.clear()
-    _bridged = None
+    _bridged = False
 
 
 def _routed_megatron_destroy() -> None:

@@ -348,12 +348,8 @@ def _set_memory_buffer() -> None:
 
 def _free_companions() -> None:
     from parallel_state.groups import process_groups
-    from parallel_state.megatron import memory
 
-    memory.destroy_global_memory_buffer()
-    memory.destroy_global_symmetric_memory_buffer()
-    memory.SymmetricMemoryManager.destroy()
-    process_groups.clear_process_groups()
+    process_groups.clear_process_groups()  # the memory buffers drop themselves (memory's teardown hook)
 
 
 def _bridge_if_megatron_loaded() -> None:

@@ -3,7 +3,7 @@
 Libraries and tests read ``megatron.core.parallel_state._TENSOR_MODEL_PARALLEL_GROUP`` and its
 siblings directly. ``parallel_state.<that name>`` answers through the package's module
 ``__getattr__`` with the live value (None when nothing is initialized), and the bridge writes
-the same values into megatron-core's module.
+the same values into megatron-core's module. Writing them is ``megatron.writes``.
 """
 
 from __future__ import annotations
@@ -11,27 +11,31 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from parallel_state.groups import state as _st
-from parallel_state.megatron.answers import ANSWERS, OVERRIDES
+from parallel_state.megatron.answers import ANSWERS, GLOBALS, OVERRIDES
 from parallel_state.topology.kinds import ROWS
 
-#: megatron-core global -> the answer it holds: each kind's group, gloo twin and global ranks from its
-#: row (a family's: its members' groups), then the virtual pipeline's, which is no kind.
+#: What megatron-core holds in a global while nothing is initialized (None unless listed): a
+#: factory, since megatron-core fills that dict in place and a shared one would keep its groups.
+EMPTY: dict[str, Callable[[], Any]] = {r.megatron: r.empty for r in ROWS if r.empty is not None}
+
+#: The globals megatron-core's set_* functions write -> our set_* override key: its _MPU_* caches (which
+#: win over the groups) and the virtual pipeline's two.
+SETTERS: dict[str, str] = {(f"_{key.upper()}" if key.startswith("virtual") else f"_MPU_{key.upper()}"): key
+                           for key in OVERRIDES}
+
+#: megatron-core global -> the answer it holds (the kinds' rows, ``answers.GLOBALS``, and the virtual
+#: pipeline's, which is no kind); those with an empty value are computed below.
 FROM_ANSWERS: dict[str, str] = {
-    **{r.megatron: r.answer for r in ROWS if r.megatron and r.empty is None},
-    **{r.gloo: f"{r.name}.gloo" for r in ROWS if r.gloo},
-    **{r.ranks_global: f"{r.name}.ranks" for r in ROWS if r.ranks_global},
+    **{name: key for name, key in GLOBALS.items() if name not in EMPTY},
     "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": "vpp.rank",
     "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": "vpp.size",
 }
 
 #: megatron-core's _MPU_* caches -> our set_* override keys; they win over the groups in both.
-FROM_OVERRIDES: dict[str, str] = {
-    f"_MPU_{key.upper()}": key for key in OVERRIDES if not key.startswith("virtual")
-}
+FROM_OVERRIDES: dict[str, str] = {name: key for name, key in SETTERS.items() if name.startswith("_MPU_")}
 
-#: What megatron-core holds in a global while nothing is initialized (None unless listed): a
-#: factory, since megatron-core fills that dict in place and a shared one would keep its groups.
-EMPTY: dict[str, Callable[[], Any]] = {r.megatron: r.empty for r in ROWS if r.empty is not None}
+#: The memory buffers: globals of ``megatron.memory``, which their getters read.
+BUFFERS = ("_GLOBAL_MEMORY_BUFFER", "_GLOBAL_SYMMETRIC_MEMORY_BUFFER")
 
 
 def _process_group_list() -> list[Any] | None:
@@ -48,12 +52,10 @@ def _memory(name: str) -> Any:
 
 
 #: Globals computed by a function of their own.
-COMPUTED = {
-    **{r.megatron: (lambda key=r.answer, empty=r.empty: ANSWERS.get(key, empty())) for r in ROWS if r.empty},
+COMPUTED: dict[str, Callable[[], Any]] = {
+    **{name: (lambda key=GLOBALS[name], empty=empty: ANSWERS.get(key, empty())) for name, empty in EMPTY.items()},
     "_global_process_group_list": _process_group_list,
-    "_GLOBAL_MEMORY_BUFFER": lambda: _memory("_GLOBAL_MEMORY_BUFFER"),
-    "_GLOBAL_SYMMETRIC_MEMORY_BUFFER": lambda: _memory("_GLOBAL_SYMMETRIC_MEMORY_BUFFER"),
-    "_MPU_DATA_PARALLEL_WORLD_SIZE": lambda: None,  # megatron-core has no setter for it
+    **{name: (lambda name=name: _memory(name)) for name in BUFFERS},
 }
 
 NAMES = frozenset(FROM_ANSWERS) | frozenset(FROM_OVERRIDES) | frozenset(COMPUTED)

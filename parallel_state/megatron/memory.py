@@ -269,25 +269,46 @@ _GLOBAL_SYMMETRIC_MEMORY_BUFFER: Optional[GlobalSymmetricMemoryBuffer] = None
 
 
 def set_global_memory_buffer() -> None:
-    """Create the global memory buffer (``initialize_model_parallel`` calls it)."""
-    global _GLOBAL_MEMORY_BUFFER
+    """Create the global memory buffer (``initialize_model_parallel`` calls it; megatron-core's private
+    ``_set_global_memory_buffer``, which code that initializes by hand calls)."""
     if _GLOBAL_MEMORY_BUFFER is not None:
         raise ParallelStateAssertionError(
             "the global memory buffer is already initialized; call destroy_model_parallel() (or "
             "destroy_global_memory_buffer()) before initializing again"
         )
-    _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
+    replace_buffer("_GLOBAL_MEMORY_BUFFER", GlobalMemoryBuffer())
+
+
+def replace_buffer(name: str, buffer: Any) -> None:
+    """Make ``buffer`` (None: none) the global buffer ``name`` (``_GLOBAL_MEMORY_BUFFER`` or
+    ``_GLOBAL_SYMMETRIC_MEMORY_BUFFER``), which ``destroy_model_parallel()`` drops."""
+    global _GLOBAL_MEMORY_BUFFER, _GLOBAL_SYMMETRIC_MEMORY_BUFFER
+    if name == "_GLOBAL_MEMORY_BUFFER":
+        _GLOBAL_MEMORY_BUFFER = buffer
+    else:
+        _GLOBAL_SYMMETRIC_MEMORY_BUFFER = buffer
+    if buffer is not None:
+        from parallel_state.groups import state as _st
+
+        _st.register_teardown_hook(_drop_buffers)
+
+
+def _drop_buffers() -> None:
+    """Teardown hook: destroy_model_parallel() drops every buffer, as megatron-core's does."""
+    destroy_global_memory_buffer()
+    destroy_global_symmetric_memory_buffer()
+    SymmetricMemoryManager.destroy()
 
 
 def set_global_symmetric_memory_buffer(process_group: Any, size_in_mb: float = 256) -> None:
     """Create the global symmetric memory buffer over ``process_group`` (megatron-core uses the tensor-parallel group)."""
-    global _GLOBAL_SYMMETRIC_MEMORY_BUFFER
     if _GLOBAL_SYMMETRIC_MEMORY_BUFFER is not None:
         raise ParallelStateAssertionError(
             "the global symmetric memory buffer is already initialized; call "
             "destroy_global_symmetric_memory_buffer() first"
         )
-    _GLOBAL_SYMMETRIC_MEMORY_BUFFER = GlobalSymmetricMemoryBuffer(size_in_mb=size_in_mb, process_group=process_group)
+    replace_buffer("_GLOBAL_SYMMETRIC_MEMORY_BUFFER",
+                   GlobalSymmetricMemoryBuffer(size_in_mb=size_in_mb, process_group=process_group))
 
 
 def get_global_memory_buffer() -> GlobalMemoryBuffer:
@@ -319,10 +340,3 @@ def destroy_global_symmetric_memory_buffer() -> None:
     """Drop the global symmetric memory buffer (harmless when there is none)."""
     global _GLOBAL_SYMMETRIC_MEMORY_BUFFER
     _GLOBAL_SYMMETRIC_MEMORY_BUFFER = None
-
-
-def _set_global_symmetric_memory_buffer() -> None:
-    """megatron-core's private spelling, called by its dynamic inference context: over the tensor-parallel group."""
-    from parallel_state.megatron.accessors import get_tensor_model_parallel_group
-
-    set_global_symmetric_memory_buffer(get_tensor_model_parallel_group())

@@ -79,7 +79,8 @@ class ProcessGroupCollection:
 
 def process_group_collection(required_pgs: Sequence[str] | None = None, *, all_gather: bool = False,
                              megatron: bool | None = None) -> Any:
-    """The live topology's groups as a process-group collection for model code's ``pg_collection=``.
+    """The live topology's groups (and those written to megatron-core's globals on ``parallel_state``) as a
+    process-group collection for model code's ``pg_collection=``.
 
     ``megatron`` None: megatron-core's own ``ProcessGroupCollection`` when megatron-core is installed
     (its fields for the installed release; megatron-core is imported and bridged), else this module's
@@ -111,11 +112,12 @@ def process_group_collection(required_pgs: Sequence[str] | None = None, *, all_g
         invalid = [n for n in wanted if n not in names]
         if invalid:
             raise ParallelStateValueError(f"Invalid process groups requested: {invalid}; the fields are {names}")
-    state = _st.current("process_group_collection()")
     if a.flag("all_gather", all_gather):
         from parallel_state.megatron.initialize import create_all_gather_groups
 
-        create_all_gather_groups(for_expert_parallelism=state.plan.ep > 1)
+        create_all_gather_groups(for_expert_parallelism=_st.current("process_group_collection(all_gather=True)").plan.ep > 1)
+    elif _st.peek() is None and not _st.written:
+        _st.current("process_group_collection()")  # raises, saying what to call first
     if use_megatron:
         bridge_megatron()
     values = {n: ANSWERS.get(FIELDS[n]) if n in OPTIONAL else lookup(FIELDS[n]) for n in wanted if n in FIELDS}

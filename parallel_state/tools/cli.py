@@ -314,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, metavar="K", help="K/V heads for GQA/MQA (default: --heads)")
     p.add_argument("--mask", metavar="SPEC",
                    help="attention mask over one view's tokens, with --heads: full, causal, chunk_causal:CHUNK, "
-                   "sliding_window:CHUNK,WINDOW (WINDOW in chunks), packed:L1+L2+... or packed:L1+L2+...,CHUNK; "
+                   "sliding_window:CHUNK,WINDOW (WINDOW in chunks), packed:L1+L2+..., packed:L1+L2+...,CHUNK or "
+                   "token_window:LEFT,RIGHT (-1: unbounded); "
                    "token counts, or frames with a trailing f (chunk_causal:3f); also prints each rank's "
                    "attention work and K/V bytes, balanced plan vs contiguous split")
     p.add_argument("--head-dim", type=int, metavar="D", help="head dim for --mask's bytes (default 128)")

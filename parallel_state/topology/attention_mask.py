@@ -13,6 +13,9 @@ and ``work`` (allowed query-key pairs). Kinds, with ``c(i) = i // chunk``:
 - ``packed(lengths, chunk=None)``: segments of these lengths one after another; i sees j only inside
   its own segment, all of it without ``chunk``, chunk-causally with it (chunks counted from the
   segment's start).
+- ``token_window(left, right)``: i sees j iff ``i - left <= j <= i + right`` (a two-sided token window, as
+  Transformer Engine's ``window_size=(left, right)``); None is unbounded on that side, so
+  ``token_window(w, 0)`` is a causal window of ``w`` earlier tokens and ``token_window(None, 0)`` is ``causal()``.
 
 Pure arithmetic: torch is imported inside the methods that return tensors, so importing this module
 (and ``parallel_state``) stays light.
@@ -30,7 +33,7 @@ if TYPE_CHECKING:
     import torch
 
 #: The kinds of mask, in the order the constructors are documented.
-KINDS = ("full", "causal", "chunk_causal", "sliding_window", "packed")
+KINDS = ("full", "causal", "chunk_causal", "sliding_window", "packed", "token_window")
 
 
 def as_int(what: str, name: str, value: Any) -> int:
@@ -55,13 +58,16 @@ class AttentionMask:
     """A sequence-wide attention mask stated by a few numbers; build it with the classmethods.
 
     Equal by value and hashable. ``chunk`` is in tokens (e.g. tokens per frame x frames per chunk),
-    ``window`` in chunks, ``lengths`` the packed segments' lengths in tokens.
+    ``window`` in chunks, ``lengths`` the packed segments' lengths in tokens, ``left`` / ``right`` a
+    two-sided window's reach in tokens (None: unbounded).
     """
 
     kind: str
     chunk: int | None = None
     window: int | None = None
     lengths: tuple[int, ...] | None = None
+    left: int | None = None
+    right: int | None = None
 
     def __post_init__(self) -> None:
         what = f"AttentionMask({self.kind!r})"
@@ -69,8 +75,8 @@ class AttentionMask:
             raise ParallelStateValueError(f"AttentionMask: unknown kind {self.kind!r}; use one of {KINDS} "
                                           f"(build masks with AttentionMask.causal(), .chunk_causal(chunk), ...)")
         takes = {"full": (), "causal": (), "chunk_causal": ("chunk",), "sliding_window": ("chunk", "window"),
-                 "packed": ("lengths", "chunk")}[self.kind]
-        for name in ("chunk", "window", "lengths"):
+                 "packed": ("lengths", "chunk"), "token_window": ("left", "right")}[self.kind]
+        for name in ("chunk", "window", "lengths", "left", "right"):
             if name not in takes and getattr(self, name) is not None:
                 raise ParallelStateValueError(f"{what}: a {self.kind} mask takes no {name}; got {name}="
                                               f"{getattr(self, name)!r}")
@@ -87,6 +93,19 @@ class AttentionMask:
                                               f"into the sequence, e.g. packed([4680, 9360])")
             lengths = tuple(_positive_int(what, f"lengths[{i}]", n) for i, n in enumerate(self.lengths))
             object.__setattr__(self, "lengths", lengths)
+        if self.kind == "token_window":
+            for name in ("left", "right"):
+                value = getattr(self, name)
+                if value is not None:
+                    value = as_int(what, name, value)
+                    if value < 0:
+                        raise ParallelStateValueError(f"{what}: {name} must be >= 0 tokens or None (unbounded), got "
+                                                      f"{value}")
+                    object.__setattr__(self, name, value)
+            if self.left is None and self.right in (None, 0):  # one value per mask: equality means the same mask
+                same = "full()" if self.right is None else "causal()"
+                raise ParallelStateValueError(f"{what}: left=None, right={self.right} is AttentionMask.{same}; "
+                                              f"build windows with AttentionMask.token_window(left, right)")
 
     # ------------------------------------------------------------------ constructors
 
@@ -120,17 +139,32 @@ class AttentionMask:
         return cls("packed", chunk=chunk, lengths=lengths)  # type: ignore[arg-type]  (__post_init__ makes it a tuple)
 
     @classmethod
+    def token_window(cls, left: int | None, right: int | None) -> AttentionMask:
+        """Query i attends to keys ``i - left <= j <= i + right`` (None: no bound on that side).
+
+        Transformer Engine's ``window_size=(left, right)`` with -1 written as None: ``token_window(w, 0)`` is
+        its causal sliding window, ``token_window(None, 0)`` is ``causal()`` and ``token_window(None, None)`` ``full()``.
+        """
+        if left is None and right is None:
+            return cls.full()
+        if left is None and not isinstance(right, bool) and right == 0:
+            return cls.causal()
+        return cls("token_window", left=left, right=right)
+
+    @classmethod
     def parse(cls, spec: str, frame_tokens: int | None = None) -> AttentionMask:
         """A mask from its text form (``str(mask)``): ``full``, ``causal``, ``chunk_causal:CHUNK``,
         ``sliding_window:CHUNK,WINDOW``, ``packed:L1+L2+...`` or ``packed:L1+L2+...,CHUNK``.
 
-        A token count written with a trailing ``f`` (``chunk_causal:3f``) is in frames and is multiplied
-        by ``frame_tokens``. ParallelStateValueError naming the spec for anything else.
+        ``token_window:LEFT,RIGHT`` (tokens; -1 is unbounded). A token count written with a trailing ``f``
+        (``chunk_causal:3f``) is in frames and is multiplied by ``frame_tokens``. ParallelStateValueError
+        naming the spec for anything else.
         """
         if not isinstance(spec, str):
             raise ParallelStateTypeError(f"AttentionMask.parse: spec must be a str, got {type(spec).__name__}")
-        usage = ("use full, causal, chunk_causal:CHUNK, sliding_window:CHUNK,WINDOW, packed:L1+L2+... or "
-                 "packed:L1+L2+...,CHUNK (token counts; a trailing f means frames, e.g. chunk_causal:3f)")
+        usage = ("use full, causal, chunk_causal:CHUNK, sliding_window:CHUNK,WINDOW, packed:L1+L2+..., "
+                 "packed:L1+L2+...,CHUNK or token_window:LEFT,RIGHT (token counts, -1 unbounded for a window; a trailing f "
+                 "means frames, e.g. chunk_causal:3f)")
         kind, _, rest = spec.strip().partition(":")
         args = [a.strip() for a in rest.split(",")] if rest.strip() else []
 
@@ -154,6 +188,9 @@ class AttentionMask:
             if kind == "sliding_window":
                 return cls.sliding_window(tokens(args[0]), tokens(args[1], frames_ok=False))
             return cls(kind, *(tokens(a) for a in args))
+        if kind == "token_window" and len(args) == 2:
+            left, right = (None if a == "-1" else tokens(a) for a in args)
+            return cls.token_window(left, right)
         if kind == "packed" and len(args) in (1, 2):
             lengths = [tokens(a.strip()) for a in args[0].split("+")]
             return cls.packed(lengths, tokens(args[1]) if len(args) == 2 else None)
@@ -168,6 +205,8 @@ class AttentionMask:
         if self.kind == "packed":
             segs = "+".join(map(str, self.lengths or ()))
             return f"packed:{segs}" + ("" if self.chunk is None else f",{self.chunk}")
+        if self.kind == "token_window":
+            return f"token_window:{-1 if self.left is None else self.left},{-1 if self.right is None else self.right}"
         return self.kind
 
     # ------------------------------------------------------------------ properties
@@ -176,7 +215,7 @@ class AttentionMask:
     def is_causal_like(self) -> bool:
         """Whether no query sees a key after its own chunk (every kind but full and packed without chunk)."""
         return self.kind in ("causal", "chunk_causal", "sliding_window") or (
-            self.kind == "packed" and self.chunk is not None)
+            self.kind == "packed" and self.chunk is not None) or (self.kind == "token_window" and self.right == 0)
 
     def describe(self) -> str:
         """A short phrase for reports."""
@@ -188,6 +227,10 @@ class AttentionMask:
             return f"chunk-causal, chunks of {self.chunk} tokens"
         if self.kind == "sliding_window":
             return f"sliding window of {self.window} chunks of {self.chunk} tokens"
+        if self.kind == "token_window":
+            def side(n: int | None) -> str:
+                return "every" if n is None else str(n)
+            return f"window of {side(self.left)} earlier and {side(self.right)} later tokens"
         segs = len(self.lengths or ())
         inner = "full attention" if self.chunk is None else f"chunk-causal in chunks of {self.chunk} tokens"
         return f"{segs} packed segment{'s' * (segs != 1)}, {inner} inside each"
@@ -245,6 +288,10 @@ class AttentionMask:
             return torch.zeros_like(p), torch.full_like(p, length)
         if self.kind == "causal":
             return torch.zeros_like(p), p + 1
+        if self.kind == "token_window":
+            lo = torch.zeros_like(p) if self.left is None else torch.clamp(p - self.left, min=0)
+            hi = torch.full_like(p, length) if self.right is None else torch.clamp(p + self.right + 1, max=length)
+            return lo, hi
         if self.kind == "packed":
             bounds = torch.tensor(self.segment_bounds(length), dtype=torch.int64, device=p.device)
             seg = torch.searchsorted(bounds[1:], p, right=True)

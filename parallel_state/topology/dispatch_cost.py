@@ -164,6 +164,20 @@ class AttentionShape:
         return self.batch * self.heads * (FLOPS_TRAINING if self.backward else FLOPS_FORWARD) * self.head_dim
 
 
+def checked(what: str, rates: Any, shape: Any) -> tuple[CostRates, AttentionShape]:
+    """``rates`` and ``shape`` with None as the defaults (a GPU node, ``AttentionShape()``); TypeError naming a
+    value of another type."""
+    rates = CostRates() if rates is None else rates
+    if not isinstance(rates, CostRates):
+        raise ParallelStateTypeError(f"{what}: rates must be a CostRates (or None: a GPU node's defaults), got "
+                                     f"{type(rates).__name__}; cp.measure_rates(group) measures a group's")
+    shape = AttentionShape() if shape is None else shape
+    if not isinstance(shape, AttentionShape):
+        raise ParallelStateTypeError(f"{what}: shape must be an AttentionShape (or None: the default), got "
+                                     f"{type(shape).__name__}")
+    return rates, shape
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One priced (layout, transport): the predicted step time and its parts, for the rank predicted slowest."""
@@ -279,5 +293,5 @@ def predict(mask: AttentionMask, length: int, runs: Sequence[Runs], work: Sequen
                      comm_ms=worst[2], balance=max(work) / mean if mean else 1.0, recv_tokens=max(recv))
 
 
-__all__ = ["ITEMSIZE", "TRANSPORTS", "AttentionShape", "Candidate", "CostRates", "itemsize", "needs", "predict",
-           "received"]
+__all__ = ["ITEMSIZE", "TRANSPORTS", "AttentionShape", "Candidate", "CostRates", "checked", "itemsize", "needs",
+           "predict", "received"]

@@ -46,18 +46,21 @@ import functools
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from parallel_state.errors import ParallelStateTypeError, ParallelStateValueError
 from parallel_state.topology.attention_mask import AttentionMask, as_int
-from parallel_state.topology.dispatch_cost import TRANSPORTS, AttentionShape, Candidate, CostRates, predict
+from parallel_state.topology.dispatch_cost import TRANSPORTS, AttentionShape, Candidate, CostRates, checked, predict
 from parallel_state.topology.shards import shard_sizes
 
 if TYPE_CHECKING:
     import torch
 
-#: The layouts a plan can hold; ``plan_dispatch`` also takes "auto" (the cost model's choice among them).
+#: The layouts ``plan_dispatch`` makes; it also takes "auto" (the cost model's choice among them).
 METHODS = ("balanced", "contiguous", "clips")
+#: The layouts a plan can hold: ``plan_dispatch``'s and the fixed one of megatron-core and Transformer Engine
+#: (``plan_dual_chunk_swap``).
+LAYOUTS = METHODS + ("dual_chunk_swap",)
 #: The order "auto" weighs them in, simplest traffic first (a clip kept whole sends nothing).
 ORDER = ("contiguous", "clips", "balanced")
 #: A later (more complex) candidate is chosen only when the earlier ones are predicted this much slower than the
@@ -75,7 +78,7 @@ class DispatchPlan:
 
     ``runs[r]``: rank r's tokens as ascending, non-adjacent ``(start, stop)`` runs; rank r holds them
     in that order (``positions[r]``). ``work[r]``: the allowed (query, key) pairs of rank r's queries.
-    ``method``: the layout ("contiguous", "balanced" or "clips"); ``transport``: how the attention moves
+    ``method``: the layout ("contiguous", "balanced", "clips" or "dual_chunk_swap"); ``transport``: how the attention moves
     K/V ("p2p", "allgather" or "ring", see ``dispatch_cost``). Equal by value (the layout and the
     transport), hashable, the same on every rank for the same arguments. ``predicted_ms``,
     ``candidates`` and ``why`` record how ``plan_dispatch`` priced and chose it (not compared).
@@ -100,8 +103,8 @@ class DispatchPlan:
         what = "DispatchPlan"
         if not isinstance(self.mask, AttentionMask):
             raise ParallelStateTypeError(f"{what}: mask must be an AttentionMask, got {type(self.mask).__name__}")
-        if self.method not in METHODS:
-            raise ParallelStateValueError(f"{what}: method={self.method!r} is not one of {METHODS}")
+        if self.method not in LAYOUTS:
+            raise ParallelStateValueError(f"{what}: method={self.method!r} is not one of {LAYOUTS}")
         if self.transport not in TRANSPORTS:
             raise ParallelStateValueError(f"{what}: transport={self.transport!r} is not one of {TRANSPORTS}")
         if not (len(self.runs) == len(self.work) == self.cp_size >= 1):
@@ -239,14 +242,7 @@ def plan_dispatch(mask: AttentionMask, length: int, cp_size: int, *, method: str
     if method == "clips" and (mask.kind != "packed" or len(mask.lengths or ()) < 2):
         raise ParallelStateValueError(f"{what}: method='clips' keeps packed clips whole, but the mask {mask} has "
                                       f"no two clips; use method='auto', 'balanced' or 'contiguous'")
-    rates = CostRates() if rates is None else rates
-    if not isinstance(rates, CostRates):
-        raise ParallelStateTypeError(f"{what}: rates must be a CostRates (or None: a GPU node's defaults), got "
-                                     f"{type(rates).__name__}; cp.measure_rates(group) measures a group's")
-    shape = AttentionShape() if shape is None else shape
-    if not isinstance(shape, AttentionShape):
-        raise ParallelStateTypeError(f"{what}: shape must be an AttentionShape (or None: the default), got "
-                                     f"{type(shape).__name__}")
+    rates, shape = checked(what, rates, shape)
     ulysses_size = as_int(what, "ulysses_size", ulysses_size)
     if ulysses_size < 1 or cp_size % ulysses_size:
         raise ParallelStateValueError(f"{what}: ulysses_size={ulysses_size} must be >= 1 and divide "
@@ -301,20 +297,12 @@ def _choose(priced: list[Candidate], method: str) -> tuple[Candidate, str]:
 @functools.lru_cache(maxsize=64)
 def _layouts(mask: AttentionMask, length: int, cp_size: int) -> dict[str, tuple[tuple[Runs, ...], tuple[int, ...]]]:
     """Every candidate layout's runs and work per rank, by method name (clips only for packed masks)."""
-    import torch
 
     sizes = shard_sizes(length, cp_size)
-    prefix = torch.zeros(length + 1, dtype=torch.int64)
-    torch.cumsum(mask.widths(length), 0, out=prefix[1:])
+    prefix = _work_prefix(mask, length)
 
     def work(runs: tuple[Runs, ...]) -> tuple[int, ...]:
-        ends = torch.tensor([p for rank in runs for run in rank for p in run], dtype=torch.int64)
-        at = prefix[ends].view(-1, 2).diff(dim=1).flatten().tolist()  # one gather: a few runs per rank
-        out, i = [], 0
-        for rank in runs:
-            out.append(sum(at[i:i + len(rank)]))
-            i += len(rank)
-        return tuple(out)
+        return _work(prefix, runs)
 
     cut = [0]
     for n in sizes:
@@ -331,6 +319,106 @@ def _layouts(mask: AttentionMask, length: int, cp_size: int) -> dict[str, tuple[
         clips = _clips(mask, length, cp_size, prefix)
         out["clips"] = (clips, work(clips))
     return out
+
+
+def _work_prefix(mask: AttentionMask, length: int) -> torch.Tensor:
+    """int64 ``[length + 1]``: allowed (query, key) pairs of the queries before each position."""
+    import torch
+
+    prefix = torch.zeros(length + 1, dtype=torch.int64)
+    torch.cumsum(mask.widths(length), 0, out=prefix[1:])
+    return prefix
+
+
+def _work(prefix: torch.Tensor, runs: tuple[Runs, ...]) -> tuple[int, ...]:
+    """Each rank's allowed pairs: the work of its runs, from ``_work_prefix``."""
+    import torch
+
+    ends = torch.tensor([p for rank in runs for run in rank for p in run], dtype=torch.int64)
+    at = prefix[ends].view(-1, 2).diff(dim=1).flatten().tolist()  # one gather: a few runs per rank
+    out, i = [], 0
+    for rank in runs:
+        out.append(sum(at[i:i + len(rank)]))
+        i += len(rank)
+    return tuple(out)
+
+
+def plan_dual_chunk_swap(mask: AttentionMask, length: int, cp_size: int, *, cu_seqlens: Any = None,
+                         transport: str = "p2p", rates: CostRates | None = None,
+                         shape: AttentionShape | None = None) -> DispatchPlan:
+    """The layout megatron-core and Transformer Engine give context-parallel ranks ("DualChunkSwap"), as a plan.
+
+    Each sequence is cut into ``2 * cp_size`` equal chunks and cp rank r holds chunk r, then chunk
+    ``2 cp_size - 1 - r`` (megatron-core's ``get_batch_on_this_cp_rank``; under a causal mask one early
+    and one late chunk each, so the work is even). One sequence of ``length`` tokens by default; with
+    ``cu_seqlens`` (the cumulative boundaries ``[0, ..., length]`` of a packed THD batch, the padded
+    ones) every sequence is cut so, and rank r holds its two chunks of each in sequence order.
+    ``mask`` is the attention over all ``length`` tokens (for a THD batch a ``packed`` mask, whose
+    segments may be finer than the sequences: padding as segments of its own). The tokens move as
+    ``transport`` says; ``predicted_ms`` is the cost model's (``rates``, ``shape`` as in ``plan_dispatch``).
+    Deterministic and cached. ValueError (a ParallelStateValueError) naming the sequence whose length
+    ``2 * cp_size`` does not divide (pad it to a multiple), or bad ``cu_seqlens``.
+    """
+    what = "plan_dual_chunk_swap"
+    if not isinstance(mask, AttentionMask):
+        raise ParallelStateTypeError(f"{what}: mask must be an AttentionMask (cp.Mask), got {type(mask).__name__}")
+    length = mask.check_length(length)
+    cp_size = as_int(what, "cp_size", cp_size)
+    if cp_size < 1:
+        raise ParallelStateValueError(f"{what}: cp_size={cp_size} must be >= 1")
+    if transport not in TRANSPORTS:
+        raise ParallelStateValueError(f"{what}: transport={transport!r} is not one of {TRANSPORTS}")
+    bounds = _boundaries(what, cu_seqlens, length)
+    rates = CostRates() if rates is None else rates
+    shape = AttentionShape() if shape is None else shape
+    if not isinstance(rates, CostRates) or not isinstance(shape, AttentionShape):
+        raise ParallelStateTypeError(f"{what}: rates must be a CostRates and shape an AttentionShape (or None), got "
+                                     f"{type(rates).__name__} and {type(shape).__name__}")
+    return _dual_chunk_swap(mask, length, cp_size, bounds, transport, rates, shape)
+
+
+def _boundaries(what: str, cu_seqlens: Any, length: int) -> tuple[int, ...]:
+    """``cu_seqlens`` as a tuple of ints (a tensor or a sequence; None: one sequence), checked against ``length``."""
+    if cu_seqlens is None:
+        return (0, length)
+    values = cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise ParallelStateTypeError(f"{what}: cu_seqlens must be a 1-D sequence or tensor of ints, got "
+                                     f"{type(cu_seqlens).__name__}")
+    bounds = tuple(as_int(what, f"cu_seqlens[{i}]", b) for i, b in enumerate(values))
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != length or any(
+            a > b for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise ParallelStateValueError(f"{what}: cu_seqlens must rise from 0 to the total length {length} "
+                                      f"(the padded sequences' cumulative lengths), got {list(bounds)}")
+    return bounds
+
+
+@functools.lru_cache(maxsize=64)
+def _dual_chunk_swap(mask: AttentionMask, length: int, cp_size: int, bounds: tuple[int, ...], transport: str,
+                     rates: CostRates, shape: AttentionShape) -> DispatchPlan:
+    parts = 2 * cp_size
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        if (b - a) % parts:
+            which = "the sequence" if len(bounds) == 2 else f"sequence {i} (tokens {a} to {b})"
+            raise ParallelStateValueError(
+                f"plan_dual_chunk_swap: {which} has {b - a} tokens, not a multiple of 2 * cp_size = {parts}; pad "
+                f"every sequence to a multiple of {parts} (megatron-core's and Transformer Engine's rule)")
+    runs = []
+    for r in range(cp_size):
+        mine = []
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            chunk = (b - a) // parts
+            mine += [(a + r * chunk, a + (r + 1) * chunk), (a + (parts - 1 - r) * chunk, a + (parts - r) * chunk)]
+        runs.append(_merge(mine))
+    if any(not rank for rank in runs):
+        raise ParallelStateValueError(f"plan_dual_chunk_swap: {length} tokens leave a rank of {cp_size} with none; "
+                                      f"use a smaller cp_size")
+    layout = tuple(runs)
+    work = _work(_work_prefix(mask, length), layout)
+    priced = predict(mask, length, layout, work, "dual_chunk_swap", transport, rates, shape)
+    return DispatchPlan(mask=mask, length=length, cp_size=cp_size, method="dual_chunk_swap", runs=layout, work=work,
+                        transport=transport, predicted_ms=priced.predicted_ms, candidates=(priced,),
+                        why=f"the DualChunkSwap layout with the {transport} transport, as asked: {priced.row()}")
 
 
 def _clips(mask: AttentionMask, length: int, cp_size: int, prefix_tensor: torch.Tensor) -> tuple[Runs, ...]:
@@ -471,4 +559,5 @@ def _merge(runs: list[tuple[int, int]]) -> Runs:
     return tuple(out)
 
 
-__all__ = ["MARGIN", "METHODS", "AttentionShape", "CostRates", "DispatchPlan", "plan_dispatch"]
+__all__ = ["LAYOUTS", "MARGIN", "METHODS", "AttentionShape", "CostRates", "DispatchPlan", "plan_dispatch",
+           "plan_dual_chunk_swap"]

@@ -1,0 +1,639 @@
+"""Transformer Engine's ``DotProductAttention`` on cp's attention engine: the class Cosmos and megatron-core call.
+
+``cp.transformer_engine.DotProductAttention`` takes Transformer Engine's constructor, defaults,
+``set_context_parallel_group`` and ``forward`` (those of TE 2.18,
+``transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py``), never imports TE,
+and runs wherever torch.distributed runs (gloo on a CPU, NCCL on GPUs). Under context parallelism
+its tokens are in TE's layout: every sequence in ``2 * cp`` equal chunks, cp rank r holding chunks
+r and ``2 cp - 1 - r`` (DualChunkSwap; for ``thd`` per sequence over ``cu_seqlens_padded``), which
+``cp.plan_dual_chunk_swap`` states as a plan; the engine attends by that plan, over the transport
+``cp_comm_type`` names. A mask that does not depend on positions (``no_mask``) takes any even split.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+import cp
+from cp import agree, debug
+from cp.comm import backend_for, global_ranks
+
+#: Transformer Engine's release whose signatures and semantics this class follows.
+TE_RELEASE = "v2.18"
+
+
+class QKVFormat(enum.Enum):
+    """TE's ``qkv_format``: where the sequence and head dims of q, k and v are."""
+
+    SBHD = "sbhd"
+    BSHD = "bshd"
+    THD = "thd"
+
+    @property
+    def seq_dim(self) -> int:
+        return 1 if self is QKVFormat.BSHD else 0
+
+    @property
+    def head_dim(self) -> int:
+        return 1 if self is QKVFormat.THD else 2
+
+    @property
+    def ndim(self) -> int:
+        return 3 if self is QKVFormat.THD else 4
+
+
+class CommType(enum.Enum):
+    """TE's ``cp_comm_type``, and the engine call each one becomes."""
+
+    P2P = "p2p"              # cp.ring_attention, K/V point to point from owner to reader (plan transport "p2p")
+    ALL_GATHER = "all_gather"  # cp.ring_attention, K/V gathered once (plan transport "allgather")
+    A2A = "a2a"              # cp.ulysses_attention: heads scattered, the whole sequence gathered
+    A2A_P2P = "a2a+p2p"      # cp.usp_attention over [a2a group, p2p group]
+
+    @property
+    def transport(self) -> str:
+        return "allgather" if self is CommType.ALL_GATHER else "p2p"
+
+
+#: TE's mask types (``transformer_engine.pytorch.constants.AttnMaskTypes``), after its normalisation.
+MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal", "causal_bottom_right", "padding_causal_bottom_right",
+              "arbitrary")
+ATTENTION_TYPES = ("self", "cross")
+#: What our own keyword arguments are, after TE's: the signature test allows exactly these beyond TE's.
+EXTRA_PARAMETERS = ("mask",)
+
+
+def _comm_type(what: str, value: Any) -> CommType:
+    try:
+        return CommType(value)
+    except ValueError:
+        raise ValueError(f"{what}: unsupported communication type cp_comm_type={value!r}; use one of "
+                         f"{[c.value for c in CommType]}") from None
+
+
+def _mask_type(what: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what}: attn_mask_type must be a str (one of {MASK_TYPES}), got {type(value).__name__}")
+    value = value.replace(",", "_")
+    value = "padding_causal" if value == "causal_padding" else value
+    if value not in MASK_TYPES:
+        raise ValueError(f"{what}: attn_mask_type={value!r} is not one of {MASK_TYPES}")
+    return value
+
+
+def _qkv_format(what: str, value: Any) -> QKVFormat:
+    try:
+        return QKVFormat(value)
+    except ValueError:
+        raise ValueError(f"{what}: qkv_format={value!r} is not one of {[f.value for f in QKVFormat]}") from None
+
+
+def check_window_size(attn_mask_type: str, window_size: Optional[Tuple[int, int]]) -> Tuple[int, int]:
+    """TE's rule for ``window_size`` under a mask type: ``(-1, 0)`` / ``(w >= 0, 0)`` for causal masks,
+    ``(-1, -1)`` / ``(l >= 0, r >= 0)`` for the others; what TE corrects with a warning is corrected so here."""
+    what = "DotProductAttention"
+    if window_size is not None:
+        if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+                or any(isinstance(w, bool) or not isinstance(w, int) for w in window_size)):
+            raise TypeError(f"{what}: window_size must be None or a pair of ints (left, right), -1 meaning "
+                            f"unbounded; got {window_size!r}")
+        window_size = (window_size[0], window_size[1])
+    if "causal" in attn_mask_type:
+        if window_size is None:
+            return (-1, 0)
+        if window_size == (-1, -1) or (window_size[0] >= 0 and window_size[1] != 0):
+            warnings.warn(f"window_size should be (-1, 0) or (>=0, 0) for attn_mask_type={attn_mask_type}",
+                          stacklevel=3)
+            return (window_size[0], 0)
+        if window_size != (-1, 0) and (window_size[0] < 0 or window_size[1] != 0):
+            raise ValueError(f"{what}: window_size={window_size} does not fit attn_mask_type={attn_mask_type}: "
+                             f"use (-1, 0) or (w >= 0, 0)")
+        return window_size
+    if window_size is None:
+        return (-1, -1)
+    if window_size == (-1, 0):
+        warnings.warn(f"window_size should be (-1, -1) or (>=0, >=0) for attn_mask_type={attn_mask_type}",
+                      stacklevel=3)
+        return (-1, -1)
+    if window_size != (-1, -1) and (window_size[0] < 0 or window_size[1] < 0):
+        raise ValueError(f"{what}: window_size={window_size} does not fit attn_mask_type={attn_mask_type}: use "
+                         f"(-1, -1) or (left >= 0, right >= 0)")
+    return window_size
+
+
+def _window_mask(window_size: Tuple[int, int]) -> Any:
+    """TE's window as a ``cp.Mask`` (``-1``: unbounded): ``(-1, -1)`` full, ``(-1, 0)`` causal, else a token window."""
+    left, right = (None if w < 0 else w for w in window_size)
+    return cp.Mask.token_window(left, right)
+
+
+# ----------------------------------------------------------------------------- one distinct call, resolved once
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Everything a forward needs that depends only on its key: resolved, checked and agreed once."""
+
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    used: int | None          # thd: the tokens before the tail (None: all)
+    padding: torch.Tensor | None  # thd: True at this rank's padding tokens ([t, 1, 1]), None when there are none
+
+
+#: Calls resolved so far, per cp group (group -> key -> _Call), shared by every layer: a model's layers make the
+#: same few calls. Per group, so that every rank of a group empties its table at the same call (a rank that had
+#: forgotten a call alone would run the agreement round alone).
+_CALLS: dict[Any, dict[tuple[Any, ...], _Call]] = {}
+_MAX_CALLS = 256
+#: The last ``cu_seqlens`` read to the host: the layers of one step pass the same tensors (one copy per step).
+_LAST_CU: list[Any] = []
+
+
+def _int_tuple(t: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"DotProductAttention: {name} must be a 1-D integer tensor, got {type(t).__name__}")
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"DotProductAttention: {name} must be a 1-D integer tensor ([batch_size + 1], int32), got "
+                         f"shape {tuple(t.shape)} {t.dtype}")
+    return tuple(t.tolist())
+
+
+def _cu_values(tensors: tuple[Any, ...], names: tuple[str, ...]) -> tuple[Any, ...]:
+    """The cu_seqlens tensors' values (None stays None), read to the host once for the same unchanged tensors."""
+    stamp = tuple((id(t), getattr(t, "_version", None)) for t in tensors)
+    if _LAST_CU and _LAST_CU[0] == stamp:
+        return _LAST_CU[2]
+    values = tuple(None if t is None else _int_tuple(t, n) for t, n in zip(tensors, names, strict=True))
+    _LAST_CU[:] = [stamp, tensors, values]  # the tensors are held so that their ids stay theirs
+    return values
+
+
+def _digest(*parts: Any) -> int:
+    """A 63-bit digest of ``parts`` that is the same in every process (Python's hash() of a str is not)."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
+
+
+#: The fields every rank's call is compared by, in the agreement row (name, how it is shown).
+_FIELDS = ("qkv_format", "attention mask", "cp_comm_type", "q shape", "k shape", "v shape", "dtype", "cu_seqlens",
+           "softmax_scale")
+_MESSAGE_BYTES = 1024
+
+
+def _encode(message: str) -> list[int]:
+    """An error message as ints for the agreement row (utf-8, cut to _MESSAGE_BYTES, 8 bytes per int)."""
+    raw = message.encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
+    return [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, _MESSAGE_BYTES, 8)]
+
+
+def _decode(ints: list[int]) -> str:
+    raw = b"".join(i.to_bytes(8, "little", signed=True) for i in ints)
+    return raw.rstrip(b"\0").decode(errors="replace")
+
+
+def _agree(fields: tuple[Any, ...], problem: str | None, group: Any, ring_group: Any) -> None:
+    """Every rank of the cp group compares its call's fields and its own problem (None: its inputs are fine) with
+    every other rank's, in one gather; all raise the same ValueError if any rank has a problem or they differ."""
+    row = [_digest(f) for f in fields] + [problem is not None] + _encode(problem or "")
+    table = agree.gather(row, group, ring_group)
+    names = None if ring_group is not None else global_ranks(group)
+
+    def who(i: int) -> str:
+        return f"cp rank {i}" if names is None else f"group rank {i} (global {names[i]})"
+
+    width = len(fields)
+    problems: dict[str, list[int]] = {}
+    for i, r in enumerate(table):
+        if r[width]:
+            problems.setdefault(_decode(r[width + 1:]), []).append(i)
+    if problems:
+        raise ValueError("DotProductAttention: " + "; ".join(
+            (f"on every rank of the cp group: {text}" if len(ranks) == len(table)
+             else f"{', '.join(who(i) for i in ranks)}: {text}") for text, ranks in problems.items()))
+    differ = [name for c, name in enumerate(_FIELDS) if len({r[c] for r in table}) > 1]
+    if differ:
+        mine = dict(zip(_FIELDS, fields, strict=True))
+        raise ValueError(f"DotProductAttention: the cp group's ranks call attention differently: their "
+                         f"{', '.join(differ)} differ (this rank: {', '.join(f'{d}={mine[d]!r}' for d in differ)}); "
+                         f"every rank of the group must pass the same settings and shapes")
+
+
+class DotProductAttention(torch.nn.Module):
+    """Transformer Engine's ``DotProductAttention`` (its constructor, ``set_context_parallel_group`` and
+    ``forward``, TE 2.18), computed by cp's attention engine on any device torch.distributed serves.
+
+    Beyond TE: float32 and float64, every window with every ``cp_comm_type``, ``thd`` with ``a2a+p2p``,
+    and ``mask=`` (keyword only, after TE's parameters): any ``cp.Mask`` over the whole sequence (for
+    ``thd`` the whole packed batch), used instead of ``attn_mask_type`` and ``window_size``.
+    Not supported (each a ValueError naming it): dropout while training, attention bias and ALiBi,
+    softmax types other than ``vanilla``, ``return_max_logit``, FP8, KV caching (``inference_params``),
+    ``score_mod``, the ``arbitrary`` mask (pass a ``cp.Mask``), ``padding`` masks on ``sbhd`` / ``bshd``
+    (use ``thd``) and, under context parallelism, cross attention.
+    """
+
+    def __init__(
+        self,
+        num_attention_heads: int,
+        kv_channels: Union[int, Tuple[int, int]],
+        num_gqa_groups: Optional[int] = None,
+        attention_dropout: float = 0.0,
+        qkv_format: str = "sbhd",
+        attn_mask_type: str = "causal",
+        window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
+        sequence_parallel: bool = False,
+        tp_size: int = 1,
+        get_rng_state_tracker: Optional[Callable] = None,
+        tp_group: Optional[dist.ProcessGroup] = None,
+        layer_number: Optional[int] = None,
+        attention_type: str = "self",
+        cp_group: Optional[Union[dist.ProcessGroup, List[dist.ProcessGroup]]] = None,
+        cp_global_ranks: List[int] = None,
+        cp_stream: torch.cuda.Stream = None,
+        cp_comm_type: str = "p2p",
+        softmax_scale: Optional[float] = None,
+        softmax_type: str = "vanilla",
+        return_max_logit: Optional[bool] = False,
+        name: Optional[str] = None,
+        *,
+        mask: Any = None,
+    ) -> None:
+        super().__init__()
+        what = "DotProductAttention"
+        for arg, value in (("num_attention_heads", num_attention_heads), ("num_gqa_groups", num_gqa_groups),
+                           ("tp_size", tp_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{what}: {arg} must be a positive int, got {value!r}")
+        channels = (kv_channels, kv_channels) if isinstance(kv_channels, int) else kv_channels
+        if (not isinstance(channels, (tuple, list)) or len(channels) != 2
+                or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in channels)):
+            raise ValueError(f"{what}: kv_channels must be a positive int or a pair (k head size, v head size), got "
+                             f"{kv_channels!r}")
+        self.qkv_format = _qkv_format(what, qkv_format).value
+        self.attn_mask_type = _mask_type(what, attn_mask_type)
+        self.window_size = check_window_size(self.attn_mask_type, window_size)
+        self.bottom_right_diagonal = bottom_right_diagonal
+        self.tp_group = tp_group
+        self.tp_size = tp_size if tp_group is None else dist.get_world_size(tp_group)
+        self.sequence_parallel = sequence_parallel
+        self.get_rng_state_tracker = get_rng_state_tracker
+        self.num_attention_heads = num_attention_heads
+        self.layer_number = 1 if layer_number is None else layer_number
+        self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v = channels
+        self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        if num_attention_heads % self.num_gqa_groups:
+            raise ValueError(f"{what}: num_attention_heads={num_attention_heads} must be divisible by "
+                             f"num_gqa_groups={self.num_gqa_groups}")
+        self.num_gqa_groups_per_partition = self.num_gqa_groups // self.tp_size
+        if attention_type not in ATTENTION_TYPES:
+            raise ValueError(f"{what}: attention_type={attention_type!r} is not one of {ATTENTION_TYPES}")
+        self.attention_type = attention_type
+        if isinstance(attention_dropout, bool) or not isinstance(attention_dropout, (int, float)) \
+                or not 0 <= attention_dropout <= 1:
+            raise ValueError(f"{what}: attention_dropout must be a probability in [0, 1], got {attention_dropout!r}")
+        self.attention_dropout = attention_dropout
+        if softmax_type != "vanilla":
+            raise ValueError(f"{what}: softmax_type={softmax_type!r} (sink attention) is not supported by cp's "
+                             f"engine; use softmax_type='vanilla'")
+        self.softmax_type, self.softmax_offset = softmax_type, None
+        if return_max_logit:
+            raise ValueError(f"{what}: return_max_logit=True is not supported by cp's engine; leave it False")
+        self.return_max_logit = False
+        if softmax_scale is None:
+            softmax_scale = 1.0 / math.sqrt(channels[0])
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
+            raise ValueError(f"{what}: softmax_scale must be a positive number or None (1/sqrt(k head size)), got "
+                             f"{softmax_scale!r}")
+        self.softmax_scale = float(softmax_scale)
+        self.name = name
+        if mask is not None and not isinstance(mask, cp.Mask):
+            raise TypeError(f"{what}: mask must be a cp.Mask or None, got {type(mask).__name__}; build one with "
+                            f"cp.Mask.chunk_causal(chunk), cp.Mask.token_window(left, right), ...")
+        self.mask = mask
+        self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
+    def set_context_parallel_group(
+        self,
+        cp_group: Union[dist.ProcessGroup, List[dist.ProcessGroup], None],
+        cp_global_ranks: List[int],
+        cp_stream: torch.cuda.Stream,
+        cp_comm_type: str = "p2p",
+    ) -> None:
+        """Set the context-parallel group (for ``"a2a+p2p"`` the list ``[a2a group, p2p group]``), its global ranks,
+        the stream (kept, unused: the engine overlaps on its own) and the communication type. ``None`` or a
+        group of one turns context parallelism off. An unknown ``cp_comm_type`` is a ValueError, as in TE."""
+        what = "DotProductAttention.set_context_parallel_group"
+        comm = _comm_type(what, cp_comm_type)
+        if isinstance(cp_group, (list, tuple)):
+            if comm is not CommType.A2A_P2P or len(cp_group) != 2:
+                raise ValueError(f"{what}: a list of groups is for cp_comm_type='a2a+p2p' and holds two, [a2a group, "
+                                 f"p2p group]; got {len(cp_group)} group(s) with cp_comm_type={comm.value!r}")
+            for g, role in zip(cp_group, ("a2a", "p2p"), strict=True):
+                if not isinstance(g, dist.ProcessGroup):
+                    raise TypeError(f"{what}: the {role} group must be a torch.distributed ProcessGroup, got "
+                                    f"{type(g).__name__}")
+            cp_group = list(cp_group)
+        elif cp_group is not None:
+            if not isinstance(cp_group, dist.ProcessGroup):
+                raise TypeError(f"{what}: cp_group must be a torch.distributed ProcessGroup, a list [a2a group, p2p "
+                                f"group] or None, got {type(cp_group).__name__}")
+            if comm is CommType.A2A_P2P and cp_group.size() > 1:
+                raise ValueError(f"{what}: cp_comm_type='a2a+p2p' needs cp_group=[a2a group, p2p group] (megatron's "
+                                 f"parallel_state.get_hierarchical_context_parallel_groups()), got one group")
+        self.cp_group = cp_group
+        self.cp_global_ranks = cp_global_ranks
+        self.cp_stream = cp_stream
+        self.cp_comm_type = comm.value
+
+    # ------------------------------------------------------------------------- forward
+
+    def forward(
+        self,
+        query_layer: torch.Tensor,
+        key_layer: torch.Tensor,
+        value_layer: torch.Tensor,
+        attention_mask: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
+        qkv_format: str = None,
+        cu_seqlens_q: torch.Tensor = None,
+        cu_seqlens_kv: torch.Tensor = None,
+        cu_seqlens_q_padded: torch.Tensor = None,
+        cu_seqlens_kv_padded: torch.Tensor = None,
+        max_seqlen_q: int = None,
+        max_seqlen_kv: int = None,
+        attn_mask_type: Optional[str] = None,
+        window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
+        checkpoint_core_attention: bool = False,
+        core_attention_bias_type: str = "no_bias",
+        core_attention_bias: Optional[torch.Tensor] = None,
+        alibi_slopes: Optional[torch.Tensor] = None,
+        fast_zero_fill: bool = True,
+        inference_params: Optional[Any] = None,
+        pad_between_seqs: Optional[bool] = None,
+        fp8_output: Optional[bool] = False,
+        num_splits: Optional[int] = 1,
+        score_mod: Optional[Callable] = None,
+        score_mod_bprop: Optional[Callable] = None,
+        score_mod_tensors: Optional[Dict[str, torch.Tensor]] = None,
+        score_mod_bprop_tensors: Optional[Dict[str, torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        """Attention of this rank's q, k, v (TE's layouts: sbhd ``[s, b, h, d]``, bshd ``[b, s, h, d]``, thd
+        ``[t, h, d]``); returns ``[s, b, h * dv]``, ``[b, s, h * dv]`` or ``[t, h * dv]``. Under context parallelism
+        each rank holds its DualChunkSwap chunks; thd takes the global ``cu_seqlens_q`` and ``cu_seqlens_q_padded``,
+        and the output (and every gradient) is 0 at padding tokens. ``max_seqlen_*``, ``bottom_right_diagonal`` (the
+        same for self attention), ``checkpoint_core_attention`` (the backward recomputes anyway), ``fast_zero_fill``,
+        ``pad_between_seqs`` and ``num_splits`` are accepted and need nothing."""
+        unsupported: tuple[tuple[str, Any], ...] = ()
+        if (core_attention_bias_type != "no_bias" or fp8_output or (self.training and self.attention_dropout > 0)
+                or any(x is not None for x in (core_attention_bias, alibi_slopes, inference_params, score_mod,
+                                               score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors))):
+            unsupported = tuple((name, value) for name, value, ok in (
+                ("core_attention_bias_type", core_attention_bias_type, core_attention_bias_type == "no_bias"),
+                ("core_attention_bias", core_attention_bias, core_attention_bias is None),
+                ("alibi_slopes", alibi_slopes, alibi_slopes is None),
+                ("inference_params", inference_params, inference_params is None),
+                ("score_mod", score_mod, score_mod is None), ("score_mod_bprop", score_mod_bprop, score_mod_bprop is None),
+                ("score_mod_tensors", score_mod_tensors, score_mod_tensors is None),
+                ("score_mod_bprop_tensors", score_mod_bprop_tensors, score_mod_bprop_tensors is None),
+                ("fp8_output", fp8_output, not fp8_output),
+                ("attention_dropout", self.attention_dropout, not (self.training and self.attention_dropout > 0)))
+                if not ok)
+        fmt = self.qkv_format if qkv_format is None else qkv_format
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        window = self.window_size if window_size is None else window_size
+        cu = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded) if fmt == "thd" else ()
+        if cu:
+            cu = _cu_values(cu, ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"))
+        group = tuple(self.cp_group) if isinstance(self.cp_group, list) else self.cp_group
+        key = (fmt, mask_type, window, self.mask, unsupported, query_layer.shape, key_layer.shape,
+               value_layer.shape, query_layer.dtype, query_layer.device, cu, self.cp_comm_type,
+               self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head_k,
+               self.hidden_size_per_attention_head_v, self.softmax_scale, self.attention_type,
+               None if self.cp_global_ranks is None else len(self.cp_global_ranks))
+        calls = _CALLS.get(group)
+        if calls is None:
+            calls = _CALLS[group] = {}
+        call = calls.get(key)
+        if call is None or debug.enabled():
+            call = self._resolve(fmt, mask_type, window, unsupported, cu, query_layer, key_layer, value_layer)
+            if len(calls) >= _MAX_CALLS:
+                calls.clear()
+            calls[key] = call
+        q, k, v = query_layer, key_layer, value_layer
+        if call.used is not None:  # thd: the tail after the last sequence attends nothing (its output is 0)
+            q, k, v = q[:call.used], k[:call.used], v[:call.used]
+        out = call.attend(q, k, v)
+        if call.padding is not None:
+            out = out.masked_fill(call.padding, 0)
+        if call.used is not None:
+            out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, query_layer.shape[0] - call.used))
+        return out.flatten(-2)
+
+    def _resolve(self, fmt_name: Any, mask_type: Any, window: Any, unsupported: tuple[Any, ...],
+                 cu: tuple[Any, ...], q: Any, k: Any, v: Any) -> _Call:
+        """One distinct call: every check, the mask and plan, the engine function; under context parallelism
+        agreed across the group first (every rank raises the same error, or none does)."""
+        group = self.cp_group
+        comm = CommType(self.cp_comm_type)
+        if isinstance(group, list):
+            sizes = [g.size() for g in group]
+        else:
+            sizes = [1 if group is None else group.size()]
+        cp_size = math.prod(sizes)
+        problem, call, fields = None, None, ("?",) * len(_FIELDS)
+        try:
+            fmt = _qkv_format("DotProductAttention.forward", fmt_name)
+            fields = (fmt.value, "?", comm.value, tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype), cu,
+                      self.softmax_scale)
+            mask, plan_args = self._mask(fmt, mask_type, window, unsupported, q, k, v, cu, cp_size, comm, sizes)
+            fields = fields[:1] + (str(mask),) + fields[2:]
+            call = self._call(fmt, mask, plan_args, q, cp_size, comm, sizes)
+        except (TypeError, ValueError) as exc:
+            if cp_size == 1:
+                raise
+            problem = str(exc).removeprefix("DotProductAttention: ").removeprefix("DotProductAttention.forward: ")
+        if cp_size > 1:
+            a2a, ring = (group[0], group[1]) if isinstance(group, list) else (group, None)
+            _agree(fields, problem, a2a, ring)
+        assert call is not None
+        return call
+
+    def _mask(self, fmt: QKVFormat, mask_type: str, window: Any, unsupported: tuple[Any, ...], q: Any, k: Any,
+              v: Any, cu: tuple[Any, ...], cp_size: int, comm: CommType, sizes: list[int]
+              ) -> tuple[Any, tuple[Any, ...]]:
+        """Check q, k, v and the settings; the mask over the whole sequence and the plan's layout arguments
+        (whole length, the padded sequence boundaries, the real tokens' boundaries)."""
+        what = "DotProductAttention.forward"
+        user_mask = self.mask
+        if unsupported:
+            fixes = {"attention_dropout": "set attention_dropout=0.0 (or call .eval())",
+                     "core_attention_bias_type": "use core_attention_bias_type='no_bias'",
+                     "fp8_output": "leave fp8_output False"}
+            raise ValueError(f"{what}: cp's engine does not support "
+                             + "; ".join(f"{n}={val!r}" + (f" ({fixes[n]})" if n in fixes else " (leave it None)")
+                                         for n, val in unsupported))
+        mask_type = _mask_type(what, mask_type)
+        window = check_window_size(mask_type, window)
+        tensors = (("query_layer", q), ("key_layer", k), ("value_layer", v))
+        for name, t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != fmt.ndim:
+                raise ValueError(f"{what}: {name} has shape {tuple(t.shape)}; qkv_format={fmt.value!r} needs "
+                                 f"{fmt.ndim} dims ({fmt.value})")
+        if len({t.dtype for _, t in tensors}) != 1 or len({t.device for _, t in tensors}) != 1:
+            raise ValueError(f"{what}: queries, keys and values must have the same dtype and device; got "
+                             + ", ".join(f"{n} {t.dtype} on {t.device}" for n, t in tensors))
+        if not q.dtype.is_floating_point:
+            raise TypeError(f"{what}: q, k and v have dtype {q.dtype}; attention needs a floating-point dtype")
+        if k.shape[:-1] != v.shape[:-1]:
+            raise ValueError(f"{what}: keys {tuple(k.shape)} and values {tuple(v.shape)} must have the same batch "
+                             f"size, sequence length and number of heads")
+        dk, dv = self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v
+        if q.shape[-1] != dk or k.shape[-1] != dk or v.shape[-1] != dv:
+            raise ValueError(f"{what}: head sizes q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]} differ from "
+                             f"kv_channels=({dk}, {dv})")
+        heads, kv_heads = q.shape[-2], k.shape[-2]
+        if kv_heads != self.num_gqa_groups_per_partition:
+            raise ValueError(f"{what}: keys and values must have num_gqa_groups / tp_size = "
+                             f"{self.num_gqa_groups_per_partition} heads, found {kv_heads}")
+        if heads % kv_heads:
+            raise ValueError(f"{what}: q's {heads} heads are not divisible by the {kv_heads} K/V heads (GQA groups)")
+        s = fmt.seq_dim
+        batch_q = q.shape[1 - s] if fmt is not QKVFormat.THD else None
+        if fmt is not QKVFormat.THD and batch_q != k.shape[1 - s]:
+            raise ValueError(f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} have different batch sizes")
+        if cp_size > 1:
+            if self.attention_type == "cross" or q.shape[s] != k.shape[s]:
+                raise ValueError(f"{what}: context parallelism needs self attention (q and k/v the same tokens); got "
+                                 f"attention_type={self.attention_type!r}, q {tuple(q.shape)}, k {tuple(k.shape)}; "
+                                 f"leave the cross attention's cp_group None")
+            a2a = sizes[0] if comm in (CommType.A2A, CommType.A2A_P2P) else 1
+            if heads % a2a:
+                raise ValueError(f"{what}: cp_comm_type={comm.value!r} scatters heads over {a2a} ranks, but q has "
+                                 f"{heads} heads; use a head count divisible by {a2a}, or cp_comm_type='p2p'")
+        bounds = None
+        if fmt is QKVFormat.THD:
+            if "padding" not in mask_type:
+                raise ValueError(f"{what}: qkv_format='thd' needs attn_mask_type 'padding' or 'padding_causal' (each "
+                                 f"packed sequence attends only to itself), got {mask_type!r}")
+            cu_q, cu_kv, pad_q, pad_kv = cu
+            if cu_q is None or cu_kv is None:
+                raise ValueError(f"{what}: qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv")
+            if cp_size > 1 and (pad_q is None or pad_kv is None):
+                raise ValueError(f"{what}: context parallelism with qkv_format='thd' needs cu_seqlens_q_padded and "
+                                 f"cu_seqlens_kv_padded (each sequence padded to a multiple of 2 * cp = {2 * cp_size}; "
+                                 f"pass cu_seqlens_q as cu_seqlens_q_padded when there is no padding)")
+            pad_q = cu_q if pad_q is None else pad_q
+            pad_kv = cu_kv if pad_kv is None else pad_kv
+            if cu_q != cu_kv or pad_q != pad_kv:
+                raise ValueError(f"{what}: qkv_format='thd' here is self attention: cu_seqlens_kv (and its padded "
+                                 f"form) must equal cu_seqlens_q's; got {list(cu_q)} / {list(cu_kv)}, padded "
+                                 f"{list(pad_q)} / {list(pad_kv)}")
+            lengths = [y - x for x, y in zip(cu_q[:-1], cu_q[1:], strict=True)]
+            rooms = [y - x for x, y in zip(pad_q[:-1], pad_q[1:], strict=True)]
+            if len(cu_q) != len(pad_q) or len(cu_q) < 2 or cu_q[0] != 0 or pad_q[0] != 0 or any(
+                    n < 0 or n > room for n, room in zip(lengths, rooms, strict=False)):
+                raise ValueError(f"{what}: cu_seqlens_q {list(cu_q)} and cu_seqlens_q_padded {list(pad_q)} must both "
+                                 f"rise from 0, one entry per sequence boundary, each sequence no longer than its "
+                                 f"padded room")
+            total = pad_q[-1]
+            if total == 0 or total % cp_size or q.shape[0] < total // cp_size:
+                raise ValueError(f"{what}: q holds {q.shape[0]} tokens but the padded sequences hold {total} over "
+                                 f"{cp_size} rank(s), {total / cp_size:g} each; pass this rank's tokens of every "
+                                 f"sequence (TE's thd_get_partitioned_indices)")
+            segments = [part for n, room in zip(lengths, rooms, strict=True) for part in (n, room - n) if part > 0]
+            causal = "causal" in mask_type
+            if user_mask is not None:
+                mask = user_mask
+            elif window not in ((-1, -1), (-1, 0)):
+                raise ValueError(f"{what}: window_size={window} with qkv_format='thd' is not supported (a window inside "
+                                 f"each packed sequence is no cp.Mask yet); use sbhd / bshd, or pass mask=")
+            else:
+                mask = cp.Mask.packed(segments, chunk=1 if causal else None)
+            return mask, (total, tuple(pad_q), tuple(zip(pad_q[:-1], lengths, strict=True)))
+        if "padding" in mask_type or mask_type == "arbitrary":
+            raise ValueError(f"{what}: attn_mask_type={mask_type!r} with qkv_format={fmt.value!r} is not supported; "
+                             f"for padded sequences use qkv_format='thd' with cu_seqlens, for any other mask pass "
+                             f"mask=cp.Mask... to the constructor")
+        mask = user_mask if user_mask is not None else _window_mask(window)
+        if q.shape[s] != k.shape[s] and not (mask == cp.Mask.full() or (
+                mask == cp.Mask.causal() and user_mask is None and "bottom_right" not in mask_type)):
+            raise ValueError(f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} differ in length (cross attention): "
+                             f"here it takes attn_mask_type 'no_mask' or 'causal' (top-left) only, got "
+                             f"{mask_type!r} with window_size={window}" + ("" if user_mask is None else " and mask="))
+        return mask, (q.shape[s] * cp_size, bounds, None)
+
+    def _call(self, fmt: QKVFormat, mask: Any, plan_args: tuple[Any, ...], q: Any, cp_size: int, comm: CommType,
+              sizes: list[int]) -> _Call:
+        """The engine function for this call, with its plan."""
+        what = "DotProductAttention.forward"
+        length, bounds, real = plan_args
+        s, h, scale = fmt.seq_dim, fmt.head_dim, self.softmax_scale
+        group = self.cp_group
+        if cp_size > 1:
+            for g in group if isinstance(group, list) else [group]:
+                if backend_for(g, q.device.type) is None:
+                    raise ValueError(f"{what}: the cp group's backend ({dist.get_backend(g)}) cannot carry tensors on "
+                                     f"{q.device.type}; move q, k and v to "
+                                     f"{'a GPU' if q.device.type == 'cpu' else 'the CPU'} or use a group of another "
+                                     f"backend")
+            if self.cp_global_ranks is not None and len(self.cp_global_ranks) != cp_size:
+                raise ValueError(f"{what}: cp_global_ranks={list(self.cp_global_ranks)} names "
+                                 f"{len(self.cp_global_ranks)} ranks but the cp group has {cp_size}")
+        used = None if fmt is not QKVFormat.THD or q.shape[0] * cp_size == length else length // cp_size
+        if cp_size == 1:  # one process: the whole sequence in order, any length
+            plan, mine = None, torch.arange(length)
+        else:
+            if mask == cp.Mask.full() and bounds is None:  # no position matters: any even split, no 2 * cp rule
+                plan = cp.plan_dispatch(mask, length, cp_size, method="contiguous", transport=comm.transport)
+            else:
+                plan = cp.plan_dual_chunk_swap(mask, length, cp_size, cu_seqlens=bounds, transport=comm.transport)
+            mine = plan.index(self._cp_rank(sizes))
+        padding = None
+        if real is not None:
+            pad = torch.ones(length, dtype=torch.bool)
+            for start, n in real:
+                pad[start:start + n] = False
+            if bool(pad.any()):
+                padding = pad[mine].view(-1, 1, 1).to(q.device)
+        if cp_size == 1:
+            if mask == cp.Mask.full() or (mask == cp.Mask.causal() and fmt is not QKVFormat.THD):
+                causal = mask == cp.Mask.causal()
+
+                def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
+                    return cp.sdpa_in_layout(q, k, v, seq_dim=s, head_dim=h, is_causal=causal, scale=scale,
+                                             enable_gqa=q.shape[h] != k.shape[h])
+            else:
+                def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
+                    return cp.ring_attention(q, k, v, None, mask=mask, seq_dim=s, head_dim=h, softmax_scale=scale)
+        elif comm in (CommType.P2P, CommType.ALL_GATHER):
+            def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
+                return cp.ring_attention(q, k, v, group, plan=plan, seq_dim=s, head_dim=h, softmax_scale=scale)
+        elif comm is CommType.A2A:
+            def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
+                return cp.ulysses_attention(q, k, v, group, plan=plan, seq_dim=s, head_dim=h, scale=scale)
+        else:  # a2a+p2p: cp_group is [a2a group, p2p group] (set_context_parallel_group made sure)
+            a2a, ring = group
+
+            def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
+                return cp.usp_attention(q, k, v, ulysses_group=a2a, ring_group=ring, plan=plan, seq_dim=s,
+                                        head_dim=h, softmax_scale=scale)
+        return _Call(attend, used, padding)
+
+    def _cp_rank(self, sizes: list[int]) -> int:
+        """This rank's cp rank: the group's rank, for ``a2a+p2p`` p2p rank x a2a size + a2a rank."""
+        group = self.cp_group
+        if isinstance(group, list):
+            return group[1].rank() * sizes[0] + group[0].rank()
+        return group.rank()
+
+
+__all__ = ["ATTENTION_TYPES", "CommType", "DotProductAttention", "EXTRA_PARAMETERS", "MASK_TYPES", "QKVFormat",
+           "TE_RELEASE", "check_window_size"]
