@@ -27,12 +27,12 @@ def _answers(fill: bool):
     assert _st.peek() is None  # this process holds no topology: the answers are the test's
     if fill:
         answers.ANSWERS.update({key: f"<{key}>" for key in accessors.VARIABLES.values()})
-    accessors.refresh()
+    accessors._refresh()
     try:
         yield
     finally:
         answers.refresh()
-        accessors.refresh()
+        accessors._refresh()
 
 
 def _flag_combinations(fn):

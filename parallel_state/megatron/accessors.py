@@ -7,7 +7,7 @@ Those are written by ``python -m parallel_state.tools.generate`` (the region bel
 rules (``accessor_keys``: which answer each returns for its flags, with its docstring) and the
 release table (the parameters of the release in use, exactly, in its order): each tests its flags,
 one after another (a flag at False by truth, as megatron-core tests it; True with ``is``), and
-returns the global holding that answer. ``refresh`` sets those globals from the answers after every
+returns the global holding that answer. ``_refresh`` sets those globals from the answers after every
 change of the state and removes those with no answer (nothing initialized, a kind not built): the
 read then raises NameError and, like any other argument values, the call goes to
 ``accessor_keys.answer``, which checks the arguments and answers or explains. ``check_initialized``
@@ -39,7 +39,7 @@ from parallel_state.topology import releases
 from parallel_state.topology.arguments import flag, non_negative_int
 
 # <generated: accessors> by `python -m parallel_state.tools.generate` from accessor_keys.RULES and the release table
-#: Each global an accessor reads on its fast path, and the answer it holds (``refresh`` sets them).
+#: Each global an accessor reads on its fast path, and the answer it holds (``_refresh`` sets them).
 VARIABLES: dict[str, str] = {
     "_DP_EXISTS": "dp.exists",
     "_INITIALIZED": "initialized",
@@ -1221,7 +1221,7 @@ def get_tensor_model_parallel_ranks(
 # </generated: accessors>
 
 
-def refresh() -> None:
+def _refresh() -> None:
     """Set every fast-path global from the answers; remove those with no answer."""
     namespace = globals()
     for variable, key in VARIABLES.items():
@@ -1231,8 +1231,8 @@ def refresh() -> None:
             namespace.pop(variable, None)
 
 
-refresh()
-_st.on_change(refresh)  # registered after answers.refresh (imported above), so it reads fresh answers
+_refresh()
+_st.on_change(_refresh)  # registered after answers.refresh (imported above), so it reads fresh answers
 
 
 # --- the accessors written by hand -----------------------------------------------------------

@@ -285,7 +285,7 @@ def accessors() -> list[str]:
     defs: list[str] = []
     for name, rule in RULES.items():
         defs += ["", "", *by_release(lambda release, n=name, r=rule: render_one(n, r, release), "")]
-    head = ["#: Each global an accessor reads on its fast path, and the answer it holds (``refresh`` sets them).",
+    head = ["#: Each global an accessor reads on its fast path, and the answer it holds (``_refresh`` sets them).",
             "VARIABLES: dict[str, str] = {"]
     head += [f"    {literal('variable', v)}: {literal('key', k)}," for v, k in variables.items()]
     return [*head, "}", *defs]
