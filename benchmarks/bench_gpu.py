@@ -19,6 +19,12 @@ bfloat16. Against one process:
   mask, every token), timed in turns; efficiency = t_sdpa / (ranks x t_ours), the fraction of the
   fused kernel's throughput reached (above 1 where the mask lets ours skip what SDPA computes).
 
+On several GPUs, a second table: the cross-rank check's cost. ``CHECK_CALLS`` masked ring calls
+(forward + backward, the default plan of the chunk-causal mask) launched back to back as a model's
+layers are, one synchronize at the end, with the check as it runs (``cp.call_check``: in full once,
+then a two-int round a call judged on the GPU, no host sync) and in full every call
+(``PARALLEL_STATE_DEBUG=1``, whose host reads make the CPU wait for the GPU each call).
+
 Without a CUDA GPU it prints that it needs one and exits 0. ``--device cpu --tiny`` runs the same
 code on a CPU at a tiny size (gloo, a world of one): the test suite runs it so that this file works
 before a GPU sees it. Cases past ``--budget`` seconds are listed as skipped, so the check ends in
@@ -184,6 +190,8 @@ def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> list[di
     try:
         for shape in (SHAPES[s] for s in opts["sizes"]):
             rows += _shape_rows(shape, rank, world, groups, device, deadline, opts)
+        if world > 1:
+            rows += [_check_row(SHAPES[s], rank, world, groups["ring"], device, deadline, opts) for s in opts["sizes"]]
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
@@ -292,6 +300,74 @@ def _case(method: str, call: str, mask_name: str, mask: Any, ref: dict[str, Any]
     ways = {"ours": lambda: (forward_backward(fn, ins, grad), sync()),
             "sdpa": lambda: (forward_backward(ref["sdpa"], *ref["bf16"]), sync())}
     return plan, err, peak, time_in_turns(ways, groups["ring"], {"reps": opts["reps"], "warmup": 1}, device=device)
+
+
+#: Masked ring calls per timing of the check's cost: a model's layers, launched back to back.
+CHECK_CALLS = 8
+
+
+def _check_row(shape: Shape, rank: int, world: int, group: Any, device: Any, deadline: float,
+               opts: dict[str, Any]) -> dict[str, Any]:
+    """The check's cost on ``shape``: CHECK_CALLS masked ring calls (forward + backward) then one synchronize, with
+    the check as it runs and in full every call (PARALLEL_STATE_DEBUG=1), timed in turns."""
+    import os
+
+    import torch
+
+    import cp
+
+    row: dict[str, Any] = {"table": "check", "shape": shape.name, "ranks": world, "calls": CHECK_CALLS}
+    if _any_rank(time.time() > deadline, device):
+        row["status"] = "skipped: past the time budget"
+        return row
+    plan = cp.plan_dispatch(masks(shape)["chunk_causal"], shape.length, world)
+    g = torch.Generator(device=device).manual_seed(1)
+    mine = plan.index(rank).to(device)
+    ins = [torch.randn(1, shape.length, shape.heads, shape.dim, device=device, generator=g)[:, mine]
+           .to(torch.bfloat16).requires_grad_(True) for _ in range(3)]
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def layers() -> None:
+        for _ in range(CHECK_CALLS):
+            cp.ring_attention(*ins, group, plan=plan).sum().backward()
+        sync()
+
+    def every_call() -> None:
+        os.environ["PARALLEL_STATE_DEBUG"] = "1"
+        try:
+            layers()
+        finally:
+            os.environ.pop("PARALLEL_STATE_DEBUG")
+
+    try:
+        times = time_in_turns({"once": layers, "every": every_call}, group, {"reps": opts["reps"], "warmup": 1},
+                              device=device)
+        failed = None
+    except Exception as exc:  # out of memory: the row says so
+        failed = exc
+    if _any_rank(failed is not None, device):
+        row["status"] = ("out of memory" if failed is not None and _oom(failed) else
+                         f"failed: {type(failed).__name__}: {failed}".splitlines()[0][:160] if failed is not None
+                         else "failed on another rank")
+        return row
+    row.update(status="ok", once_ms=median(times["once"]) * 1e3, every_ms=median(times["every"]) * 1e3)
+    return row
+
+
+def check_table_rows(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """The check table's cells: ms for the calls with the check once, in full every call, and their ratio."""
+    out = []
+    for r in rows:
+        head = [r["shape"], r["ranks"], r["calls"]]
+        if r.get("status") != "ok":
+            out.append(head + [r.get("status", "-"), "-", "-"])
+            continue
+        out.append(head + [f"{r['once_ms']:.2f}", f"{r['every_ms']:.2f}", f"{r['every_ms'] / r['once_ms']:.2f}x"])
+    return out
+
+
+CHECK_HEADER = ["shape", "ranks", "calls", "ms: checked once (two ints a call)", "ms: checked in full every call",
+                "every call / once"]
 
 
 def _ours(method: str, call: str, mask_name: str, plan: Any, group: Any, ug: Any, rg: Any,
@@ -414,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
+    checks = [r for r in rows if r.get("table") == "check"]
+    rows = [r for r in rows if r.get("table") != "check"]
     print(table(
         f"cp attention in bfloat16 on {name}: ours beside one process's SDPA, forward + backward",
         HEADER, table_rows(rows),
@@ -424,6 +502,15 @@ def main(argv: list[str] | None = None) -> int:
          f"of {args.reps}, slowest rank, in turns with one process's SDPA on the whole sequence; predicted: the "
          f"plan's own estimate, where it has one; efficiency = SDPA ms / (ranks x ms)"],
     ))
+    if checks:
+        print(table(
+            f"the cross-rank check of masked attention on {name}: {CHECK_CALLS} masked ring calls back to back",
+            CHECK_HEADER, check_table_rows(checks),
+            [f"forward + backward of the chunk-causal mask's default plan per call, one synchronize after the "
+             f"{CHECK_CALLS}; checked once: cp.call_check as it runs (in full on the first call, then two ints a call "
+             f"judged on the device); every call: PARALLEL_STATE_DEBUG=1 (the full check each call, read on the "
+             f"host); median of {args.reps}, slowest rank, in turns"],
+        ))
     print(f"(bench_gpu took {time.time() - start:.0f} s)")
     return 0
 

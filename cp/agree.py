@@ -4,9 +4,9 @@ A rank alone in a mistake (another shard size, plan, length or dtype) would leav
 waiting in the next collective until the group's timeout, or worse, compute garbage. So the checks
 of cp (shards, Ulysses' sizes, masked plans, dispatch, the debug mode) each describe this rank's
 inputs as a short row of ints, gather every rank's row with ``gather``, and judge the whole table:
-every rank sees the same table, so every rank raises the same ValueError (``check``), or none does.
+every rank sees the same table, so every rank raises the same ValueError, or none does.
 ``start`` begins the gather without waiting, so that a caller can compute meanwhile and judge the
-table before it sends anything.
+table before it sends anything (``cp.call_check``: attention's check, cached per distinct call).
 """
 
 from __future__ import annotations
@@ -20,16 +20,20 @@ from cp.comm import meta_device
 
 
 class Pending:
-    """A gather started by ``start``: ``table()`` waits for it and returns every rank's row."""
+    """A gather started by ``start``: ``table()`` waits for it and returns every rank's row; ``rows()`` the same as
+    a tensor on the gather's device, without the host reading it (on NCCL: without waiting for the GPU)."""
 
     def __init__(self, work: Any, width: int, finish: Callable[[], torch.Tensor]):
         self._work, self._width, self._finish = work, width, finish
 
-    def table(self) -> list[list[int]]:
+    def rows(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        return self._finish().view(-1, self._width).tolist()
+        return self._finish().view(-1, self._width)
+
+    def table(self) -> list[list[int]]:
+        return self.rows().tolist()
 
 
 def _everyone(mine: torch.Tensor, group: Any, async_op: bool) -> tuple[torch.Tensor, Any]:
@@ -40,14 +44,16 @@ def _everyone(mine: torch.Tensor, group: Any, async_op: bool) -> tuple[torch.Ten
     return rows, work
 
 
-def start(row: Sequence[int], group: Any, ring_group: Any = None) -> Pending:
-    """Start gathering every rank's ``row`` (ints, as many on every rank) over ``group``, without waiting.
+def start(row: Sequence[int] | torch.Tensor, group: Any, ring_group: Any = None) -> Pending:
+    """Start gathering every rank's ``row`` (ints, as many on every rank; or an int64 tensor of them already on
+    ``meta_device(group)``) over ``group``, without waiting.
 
     With ``ring_group``: ``group`` is a Ulysses group and the rows are those of the cp group the two
     span, in cp-rank order (cp rank = ring rank * u + ulysses rank): a second gather, over the ring,
     when the first one is done.
     """
-    mine = torch.tensor(list(row), dtype=torch.int64, device=meta_device(group))
+    mine = row if isinstance(row, torch.Tensor) else torch.tensor(list(row), dtype=torch.int64,
+                                                                   device=meta_device(group))
     rows, work = _everyone(mine, group, async_op=True)
 
     def finish() -> torch.Tensor:
@@ -62,19 +68,4 @@ def gather(row: Sequence[int], group: Any, ring_group: Any = None) -> list[list[
     return start(row, group, ring_group).table()
 
 
-def judged(what: str, table: list[list[int]], judge: Callable[[list[list[int]]], str | None]) -> list[list[int]]:
-    """``table``, unless ``judge(table)`` names a problem: then ``ValueError(f"{what}: {problem}")``."""
-    problem = judge(table)
-    if problem:
-        raise ValueError(f"{what}: {problem}")
-    return table
-
-
-def check(what: str, row: Sequence[int], group: Any, judge: Callable[[list[list[int]]], str | None],
-          ring_group: Any = None) -> list[list[int]]:
-    """``gather`` the rows, then raise ``ValueError(f"{what}: {problem}")`` on every rank alike when
-    ``judge(table)`` names a problem; the table otherwise."""
-    return judged(what, gather(row, group, ring_group), judge)
-
-
-__all__ = ["Pending", "check", "gather", "judged", "start"]
+__all__ = ["Pending", "gather", "start"]

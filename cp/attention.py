@@ -26,11 +26,11 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from cp import debug
+from cp import debug, inputs
 from cp.agree import gather
-from cp.comm import check_group, global_ranks
-from cp.layout import _check_dims, _check_length, _scale, sdpa_in_layout
-from cp.shard import check_tensor, shard_sizes
+from cp.comm import global_ranks
+from cp.layout import sdpa_in_layout
+from cp.shard import shard_sizes
 
 AttnFn = Callable[..., torch.Tensor]
 
@@ -173,29 +173,17 @@ def _agreed_sizes(what: str, group: Any, length: int, named: Sequence[tuple[str,
     return out
 
 
-def _check_split(what: str, x: torch.Tensor, name: str, dim: int, arg: str, value: int, n: int, kind: str) -> None:
-    if x.shape[dim] % n:
-        raise ValueError(
-            f"{what}: {name} has shape {tuple(x.shape)}: its {kind} ({arg}={value}, size {x.shape[dim]}) cannot be "
-            f"split into {n} equal blocks for a group of size {n}; use a {kind} size divisible by {n} or a "
-            f"context-parallel group whose size divides {x.shape[dim]}"
-        )
-
-
 def _move(what: str, x: Any, seq_dim: Any, head_dim: Any, cp_group: Any, to_heads: bool,
           length: Any = None) -> torch.Tensor:
     if cp_group is None:
         return x
-    check_tensor(what, x)
-    check_group(cp_group, what)
-    n = cp_group.size()
-    s, h = _check_dims(what, x, "x", seq_dim, head_dim, n)
-    if length is not None:
-        length = _check_length(what, length, n)
+    n, _ = inputs.group_size(what, cp_group)
+    s, h = inputs.dims(what, x, "x", seq_dim, head_dim, n)
+    length = inputs.check_length(what, length, n)
     if to_heads:
-        _check_split(what, x, "x", h, "head_dim", head_dim, n, "number of heads")
+        inputs.split(what, x, "x", h, "head_dim", head_dim, n, "number of heads")
     elif length is None:
-        _check_split(what, x, "x", s, "seq_dim", seq_dim, n, "sequence length")
+        inputs.split(what, x, "x", s, "seq_dim", seq_dim, n, "sequence length")
     if n == 1:
         if length is not None and x.shape[s] != length:
             raise ValueError(f"{what}: x has {x.shape[s]} tokens along seq_dim={seq_dim} but length={length}; "
@@ -258,74 +246,70 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
     so after the exchange a rank holds every token in the plan's order; the built-in masked
     attention (no ``attn_fn``; of the keyword arguments only ``scale``) then attends each tile of
     queries, taken in global order, to its key interval only. With a mask alone, the contiguous split.
-    One small all-gather first checks every rank's token counts and plan.
+    The ranks check every distinct call's token counts and plan across the group first (``cp.call_check``).
     """
     what = "ulysses_attention"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(what, t, name)
-    if cp_group is not None:
-        check_group(cp_group, what)
-    n = 1 if cp_group is None else cp_group.size()
-    dims = [_check_dims(what, t, name, seq_dim, head_dim, n) for name, t in (("q", q), ("k", k), ("v", v))]
-    if len({t.dim() for t in (q, k, v)}) != 1 or len({(t.dtype, t.device) for t in (q, k, v)}) != 1:
-        raise ValueError(
-            f"{what}: q, k and v must have the same number of dims, dtype and device (they travel in one buffer); "
-            f"got " + ", ".join(f"{nm} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} on {t.device}"
-                                 for nm, t in (("q", q), ("k", k), ("v", v))) + "; convert them to one dtype and device")
-    s, h = dims[0]
-    if length is not None:
-        length = _check_length(what, length, n)
-    masked = mask is not None or plan is not None
-    if attn_fn is None and not masked:
+    n, rank = inputs.group_size(what, cp_group)
+    if mask is not None or plan is not None:
+        _masked_arguments(what, attn_fn, attn_kwargs)
+        call = inputs.masked_call(what, q, k, v, cp_group, causal=False, mask=mask, plan=plan, length=length,
+                                  seq_dim=seq_dim, head_dim=head_dim, softmax_scale=attn_kwargs.get("scale"), n=n,
+                                  rank=rank)
+        return masked_ulysses(call)
+    t = inputs.tensors(what, q, k, v, seq_dim, head_dim, n, computed=False)
+    total = inputs.check_length(what, length, n)
+    if attn_fn is None:
         if q.dim() < 3:
             raise ValueError(f"{what}: the default attention needs at least 3 dims (sequence, heads, features); q "
                              f"has shape {tuple(q.shape)}: add a feature dim or pass attn_fn")
-        attn_fn = _default_attn(s, h)
-    _check_split(what, q, "q", h, "head_dim", head_dim, n, "number of heads")
-    repeats = [_kv_repeats(what, q, t, name, h, n) for name, t in (("k", k), ("v", v))]
-    if masked:
-        from cp.masked import MaskedArgs
+        attn_fn = _default_attn(t.s, t.h)
+    return ulysses(inputs.Call(what, t, cp_group, n, rank, None, total), attn_fn, attn_kwargs)
 
-        return _masked(what, q, k, v, cp_group, repeats, attn_fn,
-                       MaskedArgs(mask, plan, False, length, s, h, attn_kwargs.get("scale")), attn_kwargs)
-    assert attn_fn is not None
+
+def ulysses(call: inputs.Call, attn_fn: AttnFn, attn_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
+    """Ulysses around ``attn_fn(q, k, v, **attn_kwargs)`` for a checked call (``call.length``: uneven shards)."""
+    what, t, group, n, total = call.what, call.tensors, call.group, call.n, call.length
+    q, k, v, s, h = t.q, t.k, t.v, t.s, t.h
+    kwargs = attn_kwargs or {}
+    inputs.split(what, q, "q", h, "head_dim", t.head_dim, n, "number of heads")
+    repeats = t.kv_repeats(what, n)
     if n == 1:
-        if length is not None and q.shape[s] != length:
-            raise ValueError(f"{what}: q has {q.shape[s]} tokens along seq_dim={seq_dim} but length={length}; "
+        if total is not None and q.shape[s] != total:
+            raise ValueError(f"{what}: q has {q.shape[s]} tokens along seq_dim={t.seq_dim} but length={total}; "
                              f"in a group of one the shard is the whole sequence")
-        return attn_fn(q, k, v, **attn_kwargs)
-    if debug.enabled() and length is None:
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            debug.check_same(f"{what} {name}", t, cp_group)
+        return attn_fn(q, k, v, **kwargs)
+    if debug.enabled() and total is None:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            debug.check_same(f"{what} {name}", x, group)
     seqs = None
-    if length is not None:
-        seqs = _agreed_sizes(what, cp_group, length, [("q", q.shape[s]), ("k", k.shape[s]), ("v", v.shape[s])])
+    if total is not None:
+        seqs = _agreed_sizes(what, group, total, t.tokens())
 
     def attn(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
-        out = attn_fn(qh, kh, vh, **attn_kwargs)
+        out = attn_fn(qh, kh, vh, **kwargs)
         if not isinstance(out, torch.Tensor) or out.dim() != q.dim() or out.shape[s] != qh.shape[s]:
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise ValueError(f"{what}: attn_fn returned {got} for q of shape {tuple(qh.shape)}; it must return a "
-                             f"tensor in q's layout (seq_dim={seq_dim}, head_dim={head_dim})")
+                             f"tensor in q's layout (seq_dim={t.seq_dim}, head_dim={t.head_dim})")
         return out
 
-    return _across_heads(q, k, v, cp_group, s, h, repeats, seqs, attn)
+    return across_heads(t, group, repeats, seqs, attn)
 
 
-def _across_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, s: int, h: int,
-                  repeats: Sequence[int], seqs: Sequence[Sequence[int]] | None, attn: Callable[..., torch.Tensor]
-                  ) -> torch.Tensor:
+def across_heads(t: inputs.Tensors, group: Any, repeats: Sequence[int], seqs: Sequence[Sequence[int]] | None,
+                 attn: Callable[..., torch.Tensor]) -> torch.Tensor:
     """Ulysses' exchange around ``attn``: K/V heads replicated ``repeats`` times (GQA), q, k, v to head shards in
     one all-to-all (``seqs``: each tensor's per-rank sequence sizes, None for equal ones), ``attn(qh, kh, vh)`` on
     the whole sequence, and the output back to this rank's sequence shard with all heads."""
-    n = group.size()
+    n, s, h = group.size(), t.s, t.h
     # GQA/MQA: head e of the replicated K/V is head e // r of the original, so q head i still meets
     # K/V head i // (q heads / kv heads); repeat_interleave's backward sums the copies' gradients.
-    k, v = (t.repeat_interleave(r, dim=h) if r > 1 else t for t, r in zip((k, v), repeats, strict=True))
+    k, v = (x.repeat_interleave(r, dim=h) if r > 1 else x for x, r in zip((t.k, t.v), repeats, strict=True))
+    q = t.q
     if seqs is None:
         qh, kh, vh = _AllToAll.apply((h, h, h), (s, s, s), group, None, q, k, v)
     else:
-        heads = [(t.shape[h] // n,) * n for t in (q, k, v)]
+        heads = [(x.shape[h] // n,) * n for x in (q, k, v)]
         qh, kh, vh = _AllToAll.apply((h, h, h), (s, s, s), group, (heads, seqs), q, k, v)
     out = attn(qh, kh, vh)
     if seqs is None:
@@ -337,13 +321,8 @@ def _across_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
 _MASKED_KWARGS = ("scale", "enable_gqa")
 
 
-def _masked(what: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, repeats: Sequence[int],
-            attn_fn: Any, args: Any, attn_kwargs: dict[str, Any]) -> torch.Tensor:
-    """ulysses_attention with ``mask`` / ``plan`` (``args``, a cp.masked.MaskedArgs with the normalized dims): the
-    exchange around the engine's masked attention on the whole sequence."""
-    from cp import masked
-
-    n, s, h = 1 if group is None else group.size(), args.seq_dim, args.head_dim
+def _masked_arguments(what: str, attn_fn: Any, attn_kwargs: dict[str, Any]) -> None:
+    """What ulysses_attention takes besides ``mask`` / ``plan``: no attn_fn, of SDPA's keywords only scale."""
     if attn_fn is not None:
         raise ValueError(f"{what}: attn_fn cannot be combined with mask= or plan= (the masked attention is built in); "
                          f"leave attn_fn out, or apply your mask inside attn_fn without mask=/plan=")
@@ -352,42 +331,33 @@ def _masked(what: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
         hint = "; for a causal mask pass mask=cp.Mask.causal()" if "is_causal" in extra else ""
         raise ValueError(f"{what}: with mask= or plan= only {list(_MASKED_KWARGS)} of SDPA's keyword arguments "
                          f"apply, got {extra}{hint}")
-    if q.dim() < 3:
-        raise ValueError(f"{what}: masked attention needs at least 3 dims (sequence, heads, features); q has shape "
-                         f"{tuple(q.shape)}")
-    scale = _scale(what, args.scale, q.movedim((h, s), (-3, -2)).shape[-1])
-    given = args.plan
-    plan = masked.resolve(what, args, n, q.shape[s])
+
+
+def masked_ulysses(call: inputs.Call) -> torch.Tensor:
+    """ulysses_attention with ``mask`` / ``plan`` (``call.masking``): the exchange around the engine's masked
+    attention on the whole sequence."""
+    from cp import call_check, masked
+
+    what, t, group, n = call.what, call.tensors, call.group, call.n
+    m = call.masking
+    assert m is not None and call.scale is not None
+    inputs.split(what, t.q, "q", t.h, "head_dim", t.head_dim, n, "number of heads")
+    repeats = t.kv_repeats(what, n)
+    plan, scale = m.plan, call.scale
     whole = masked.schedule(plan, "whole", lambda: (tuple(p for mine in plan.positions for p in mine),), 0,
-                            q.device)
+                            t.q.device)
 
     def attn(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
-        return masked.attend(qh, kh, vh, whole, None, s, h, scale)
+        return masked.attend(inputs.Tensors(qh, kh, vh, t.s, t.h, t.seq_dim, t.head_dim), whole, None, scale)
 
     if n == 1:
-        if q.shape[s] != plan.length:
-            raise ValueError(f"{what}: q holds {q.shape[s]} tokens but the mask's sequence has {plan.length}; in a "
+        if t.local != plan.length:
+            raise ValueError(f"{what}: q holds {t.local} tokens but the mask's sequence has {plan.length}; in a "
                              f"group of one the shard is the whole sequence")
-        return attn(q, k, v)
-    named = [("q", q.shape[s]), ("k", k.shape[s]), ("v", v.shape[s])]
-    masked.agree(what, group, plan, named, *masked.layout_words(given, plan, n),
-                 even=given is None and args.length is None)
+        return attn(t.q, t.k, t.v)
+    call_check.check(call, t.tokens())
     seqs = None if len(set(plan.sizes)) == 1 else [plan.sizes] * 3
-    return _across_heads(q, k, v, group, s, h, repeats, seqs, attn)
-
-
-def _kv_repeats(what: str, q: torch.Tensor, t: torch.Tensor, name: str, h: int, n: int) -> int:
-    """How many times each head of K or V is repeated so that the group's n ranks get whole head blocks."""
-    heads, q_heads = t.shape[h], q.shape[h]
-    if heads % n == 0:
-        return 1
-    if heads and q_heads % heads == 0:
-        # lcm(heads, n) divides q's heads (both heads and n do): the fewest copies giving n whole blocks.
-        return n // math.gcd(heads, n)
-    raise ValueError(
-        f"{what}: {name} has shape {tuple(t.shape)}: its number of heads ({heads}) cannot be split into {n} equal "
-        f"blocks for a group of size {n}, nor does it divide q's {q_heads} heads (grouped-query "
-        f"attention); use such a head count or a group size that divides {heads}")
+    return across_heads(t, group, repeats, seqs, attn)
 
 
 def _default_attn(seq_dim: int, head_dim: int) -> AttnFn:

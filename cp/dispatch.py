@@ -23,7 +23,7 @@ import parallel_state
 from cp import debug
 from cp.agree import gather
 from cp.comm import check_group, global_ranks
-from cp.shard import _gather_cat, _gather_cat_uneven, agree_shards, check_tensor, normalize_dim
+from cp.shard import agree_shards, check_tensor, gather_cat, gather_cat_uneven, normalize_dim
 
 
 def check_plan(what: str, plan: Any, cp_group: Any) -> tuple[int, int]:
@@ -114,9 +114,9 @@ class _Undispatch(torch.autograd.Function):
         rank = group.rank()
         ctx.dim, ctx.runs = dim, plan.runs[rank]
         if len(set(sizes)) == 1:
-            gathered = _gather_cat(y, dim, group, len(sizes))
+            gathered = gather_cat(y, dim, group, len(sizes))
         else:
-            gathered = _gather_cat_uneven(y, dim, group, sizes)
+            gathered = gather_cat_uneven(y, dim, group, sizes)
         if plan.is_contiguous:
             return gathered  # rank order is global order
         out = torch.empty_like(gathered)

@@ -39,17 +39,50 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
 
 from cp import diagonal
 
-FULL, CAUSAL, MASKED = "full", "causal", "masked"
-TILE_KINDS = (FULL, CAUSAL, MASKED)
+
+class Name(str, Enum):
+    """A member of one of cp's closed sets of names: a ``str`` equal to its value, which it formats as (on
+    Python 3.10 as on 3.11+), so a misspelt member fails where it is read, not when a string is compared."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class TileKind(Name):
+    """How a tile's (query, key) pairs are allowed (``cp.mask_schedule.Tile.kind``)."""
+
+    FULL = "full"
+    CAUSAL = "causal"
+    MASKED = "masked"
+
+
+class Kernel(Name):
+    """The op that computes a tile."""
+
+    CPU_FLASH = "cpu_flash"
+    CUDA_FLASH = "cuda_flash"
+    CUDA_EFFICIENT = "cuda_efficient"
+    CUDA_CUDNN = "cuda_cudnn"
+    MATH = "math"
+
+
+class HeadLayout(Name):
+    """How a kernel's query heads meet the K/V heads (GQA)."""
+
+    HEADS = "heads"    # q [B, Hq, R, D] against K/V [B, Hkv, C, D]: the kernel takes GQA itself
+    EXPAND = "expand"  # K/V heads repeated to q's, their gradients summed back
+    ROWS = "rows"      # q [B, Hkv, G * R, D]: a K/V head's query heads as rows (the reference)
+
+
 #: The CUDA kernels in the order they are tried; each can be switched off as SDPA's own are.
-CUDA_KERNELS = ("cuda_flash", "cuda_efficient", "cuda_cudnn")
-KERNELS = ("cpu_flash", *CUDA_KERNELS, "math")
+CUDA_KERNELS = (Kernel.CUDA_FLASH, Kernel.CUDA_EFFICIENT, Kernel.CUDA_CUDNN)
 _HALF = (torch.float16, torch.bfloat16)
 
 #: Whether tiles may use fused kernels at all (tests switch it off to check the reference against them).
@@ -60,23 +93,31 @@ use_fused = True
 class KernelChoice:
     """How one tile is computed.
 
-    ``name``: one of KERNELS. ``dtype``: the dtype the kernel computes in (its inputs).
-    ``layout``: how the query heads meet the K/V heads: ``"heads"`` q [B, Hq, R, D] against K/V
-    [B, Hkv, C, D] (the kernel takes GQA itself); ``"expand"`` K/V heads repeated to q's (their
-    gradients summed back); ``"rows"`` (math) q [B, Hkv, G * R, D], a K/V head's query heads as rows.
+    ``name``: the kernel. ``dtype``: the dtype the kernel computes in (its inputs). ``layout``: how the query
+    heads meet the K/V heads (``HeadLayout``).
     ``is_causal``: the kernel's own causal flag (square tiles). ``bias``: an additive float mask [R, C]
     built from the tile's intervals (-inf where masked). ``reason``: why ``math`` (else empty).
     ``diagonal_blocks``: a causal tile computed as that many diagonal blocks and the full tiles below
     them (``cp.diagonal``; read by ``cpu_flash`` only; 1: one call with the causal flag).
     """
 
-    name: str
+    name: Kernel
     dtype: torch.dtype
-    layout: str
+    layout: HeadLayout
     is_causal: bool = False
     bias: bool = False
     reason: str = ""
     diagonal_blocks: int = 1
+
+    def __post_init__(self) -> None:  # names given as strings become the members (a misspelt one a ValueError)
+        object.__setattr__(self, "name", Kernel(self.name))
+        object.__setattr__(self, "layout", HeadLayout(self.layout))
+
+    @property
+    def needs_mask(self) -> bool:
+        """Whether the kernel takes the tile's bool mask: the reference always (causal tiles too), a fused one as
+        a bias."""
+        return self.name is Kernel.MATH or self.bias
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -84,25 +125,25 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def cuda_kernels_enabled() -> frozenset[str]:
+def cuda_kernels_enabled() -> frozenset[Kernel]:
     """The CUDA kernels torch's SDPA switches allow now (``torch.backends.cuda.enable_*_sdp``, ``sdpa_kernel``)."""
     b = torch.backends.cuda
-    on = {"cuda_flash": b.flash_sdp_enabled(), "cuda_efficient": b.mem_efficient_sdp_enabled(),
-          "cuda_cudnn": getattr(b, "cudnn_sdp_enabled", lambda: False)()}
+    on = {Kernel.CUDA_FLASH: b.flash_sdp_enabled(), Kernel.CUDA_EFFICIENT: b.mem_efficient_sdp_enabled(),
+          Kernel.CUDA_CUDNN: getattr(b, "cudnn_sdp_enabled", lambda: False)()}
     return frozenset(k for k, v in on.items() if v)
 
 
-def _cuda_fits(name: str, dtype: torch.dtype, d: int, dv: int, kind: str) -> str:
+def _cuda_fits(name: Kernel, dtype: torch.dtype, d: int, dv: int, kind: TileKind) -> str:
     """Why kernel ``name`` cannot take the tile ('' when it can)."""
-    if name == "cuda_flash":
+    if name is Kernel.CUDA_FLASH:
         if dtype not in _HALF:
             return "flash takes float16 / bfloat16 only"
         if d != dv or d % 8 or d > 256:
             return f"flash wants one feature size for q, k and v, a multiple of 8 up to 256 (got {d} and {dv})"
-        if kind == MASKED:
+        if kind is TileKind.MASKED:
             return "flash takes no mask"
         return ""
-    if name == "cuda_efficient":
+    if name is Kernel.CUDA_EFFICIENT:
         if dtype not in (*_HALF, torch.float32):
             return "efficient takes float16 / bfloat16 / float32"
         align = 4 if dtype == torch.float32 else 8
@@ -118,32 +159,34 @@ def _cuda_fits(name: str, dtype: torch.dtype, d: int, dv: int, kind: str) -> str
 
 @functools.lru_cache(maxsize=1024)
 def choose_kernel(device_type: str, dtype: torch.dtype, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
-                  v_shape: tuple[int, ...], tile_kind: str, *, deterministic: bool = False,
+                  v_shape: tuple[int, ...], tile_kind: TileKind, *, deterministic: bool = False,
                   cuda_kernels: frozenset[str] = frozenset(CUDA_KERNELS), fused: bool = True) -> KernelChoice:
     """The kernel for a tile of queries ``q_shape`` [..., Hq, R, D] against keys ``k_shape`` [..., Hkv, C, D]
-    and values ``v_shape`` [..., Hkv, C, Dv] of ``dtype`` on ``device_type``; ``tile_kind`` one of TILE_KINDS.
+    and values ``v_shape`` [..., Hkv, C, Dv] of ``dtype`` on ``device_type``; ``tile_kind`` a ``TileKind``.
 
     ``deterministic``: torch's deterministic-algorithms setting; ``cuda_kernels``: the CUDA kernels
     allowed (``cuda_kernels_enabled()``); ``fused=False``: always the reference. Pure and cached.
     """
-    if tile_kind not in TILE_KINDS:
-        raise ValueError(f"choose_kernel: tile_kind={tile_kind!r} is not one of {TILE_KINDS}")
+    if tile_kind not in set(TileKind):
+        raise ValueError(f"choose_kernel: tile_kind={tile_kind!r} is not one of {[k.value for k in TileKind]}")
+    tile_kind = TileKind(tile_kind)
     (hq, r, d), (hkv, c, dk), (hv, cv, dv) = q_shape[-3:], k_shape[-3:], v_shape[-3:]
     if dk != d or (hv, cv) != (hkv, c) or hq % hkv:
         raise ValueError(f"choose_kernel: q {q_shape}, k {k_shape}, v {v_shape} are not one attention "
                          f"([..., H, rows, D] against [..., Hkv, keys, D] and [..., Hkv, keys, Dv], Hkv dividing H)")
-    if tile_kind == CAUSAL and r != c:
+    if tile_kind is TileKind.CAUSAL and r != c:
         raise ValueError(f"choose_kernel: a causal tile is square; got {r} rows and {c} keys")
-    causal, bias = tile_kind == CAUSAL, tile_kind == MASKED
+    causal, bias = tile_kind is TileKind.CAUSAL, tile_kind is TileKind.MASKED
     cd = compute_dtype(dtype)
     if not fused:
-        return KernelChoice("math", cd, "rows", reason="fused kernels switched off (cp.kernels.use_fused)")
+        return KernelChoice(Kernel.MATH, cd, HeadLayout.ROWS, reason="fused kernels switched off (cp.kernels.use_fused)")
     if device_type == "cpu":
         if _CPU_FLASH is None or _CPU_FLASH_BACKWARD is None:
-            return KernelChoice("math", cd, "rows", reason="this torch has no fused CPU attention op")
+            return KernelChoice(Kernel.MATH, cd, HeadLayout.ROWS, reason="this torch has no fused CPU attention op")
         if d != dv:
-            return KernelChoice("math", cd, "rows", reason=f"the CPU kernel wants one feature size (got {d} and {dv})")
-        return KernelChoice("cpu_flash", cd, "heads", is_causal=causal, bias=bias,
+            return KernelChoice(Kernel.MATH, cd, HeadLayout.ROWS,
+                                reason=f"the CPU kernel wants one feature size (got {d} and {dv})")
+        return KernelChoice(Kernel.CPU_FLASH, cd, HeadLayout.HEADS, is_causal=causal, bias=bias,
                             diagonal_blocks=diagonal.blocks_for(r) if causal else 1)
     if device_type == "cuda":
         why = []
@@ -151,20 +194,20 @@ def choose_kernel(device_type: str, dtype: torch.dtype, q_shape: tuple[int, ...]
             if name not in cuda_kernels:
                 why.append(f"{name} switched off")
                 continue
-            if name == "cuda_efficient" and deterministic:
+            if name is Kernel.CUDA_EFFICIENT and deterministic:
                 why.append("efficient is non-deterministic (torch.use_deterministic_algorithms)")
                 continue
             no = _cuda_fits(name, dtype, d, dv, tile_kind)
             if no:
                 why.append(no)
                 continue
-            layout = "heads" if hq == hkv or name == "cuda_flash" else "expand"
+            layout = HeadLayout.HEADS if hq == hkv or name is Kernel.CUDA_FLASH else HeadLayout.EXPAND
             return KernelChoice(name, dtype, layout, is_causal=causal, bias=bias)
-        return KernelChoice("math", cd, "rows", reason="; ".join(why))
-    return KernelChoice("math", cd, "rows", reason=f"no fused kernel for device type {device_type!r}")
+        return KernelChoice(Kernel.MATH, cd, HeadLayout.ROWS, reason="; ".join(why))
+    return KernelChoice(Kernel.MATH, cd, HeadLayout.ROWS, reason=f"no fused kernel for device type {device_type!r}")
 
 
-def choose_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_kind: str) -> KernelChoice:
+def choose_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_kind: TileKind) -> KernelChoice:
     """``choose_kernel`` for these tensors (q [..., Hkv, G, R, D], the engine's layout) and torch's settings now."""
     device = q.device.type
     shape = (*q.shape[:-4], q.shape[-4] * q.shape[-3], *q.shape[-2:])
@@ -181,9 +224,10 @@ _aten = torch.ops.aten
 _CPU_FLASH = getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CPU_FLASH_BACKWARD = getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 _OPS = {
-    "cuda_flash": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"),
-    "cuda_efficient": ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward"),
-    "cuda_cudnn": ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"),
+    Kernel.CUDA_FLASH: ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"),
+    Kernel.CUDA_EFFICIENT: ("_scaled_dot_product_efficient_attention",
+                            "_scaled_dot_product_efficient_attention_backward"),
+    Kernel.CUDA_CUDNN: ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"),
 }
 
 
@@ -201,13 +245,13 @@ def _op(choice: KernelChoice, backward: bool, device: torch.device) -> Any:
     return op
 
 
-def mask_of(lo: torch.Tensor | None, hi: torch.Tensor | None, rows: int, cols: int, kind: str,
+def mask_of(lo: torch.Tensor | None, hi: torch.Tensor | None, rows: int, cols: int, kind: TileKind,
             device: torch.device) -> torch.Tensor | None:
     """Bool [rows, cols], True where a row must not see a key, from each row's key interval [lo, hi) (masked
     tiles) or the causal triangle; None for a full tile."""
-    if kind == FULL:
+    if kind is TileKind.FULL:
         return None
-    if kind == CAUSAL:
+    if kind is TileKind.CAUSAL:
         return torch.ones(rows, cols, dtype=torch.bool, device=device).triu_(1)
     assert lo is not None and hi is not None
     c = torch.arange(cols, device=device)
@@ -226,7 +270,7 @@ def _bias(masked: torch.Tensor, dtype: torch.dtype, align: int) -> torch.Tensor:
 def _q4(choice: KernelChoice, q: torch.Tensor) -> torch.Tensor:
     """q [..., Hkv, G, R, D] in the choice's layout, 4-d."""
     hkv, g, r, d = q.shape[-4:]
-    if choice.layout == "rows":
+    if choice.layout is HeadLayout.ROWS:
         return q.reshape(-1, hkv, g * r, d)
     return q.reshape(-1, hkv * g, r, d)
 
@@ -234,15 +278,104 @@ def _q4(choice: KernelChoice, q: torch.Tensor) -> torch.Tensor:
 def _kv4(choice: KernelChoice, x: torch.Tensor, groups: int) -> torch.Tensor:
     """k or v [..., Hkv, C, D], 4-d, its heads repeated ``groups`` times for the ``expand`` layout."""
     x4 = x.reshape(-1, *x.shape[-3:])
-    return x4.repeat_interleave(groups, dim=1) if choice.layout == "expand" and groups > 1 else x4
+    return x4.repeat_interleave(groups, dim=1) if choice.layout is HeadLayout.EXPAND and groups > 1 else x4
 
 
 def _unexpand(choice: KernelChoice, g4: torch.Tensor, groups: int) -> torch.Tensor:
     """dK or dV of repeated heads summed back onto their K/V head."""
-    if choice.layout != "expand" or groups == 1:
+    if choice.layout is not HeadLayout.EXPAND or groups == 1:
         return g4
     b, h, c, d = g4.shape
     return g4.view(b, h // groups, groups, c, d).sum(2)
+
+
+# Each fused kernel's call: 4-d q, k, v in the choice's layout and the additive bias (None: no mask) in, the
+# normalized output and the log-sum-exp [B, H, R] out (forward); dq, dk, dv (backward, given do, out and lse).
+
+def _cpu_flash_forward(choice: KernelChoice, q4: Any, k4: Any, v4: Any, scale: float, bias: Any) -> tuple[Any, Any]:
+    if choice.diagonal_blocks > 1:
+        return diagonal.forward(_CPU_FLASH, q4, k4, v4, scale, choice.diagonal_blocks)
+    out, lse = _CPU_FLASH(q4, k4, v4, 0.0, choice.is_causal, attn_mask=bias, scale=scale)
+    return out, lse
+
+
+def _cuda_flash_forward(choice: KernelChoice, q4: Any, k4: Any, v4: Any, scale: float, bias: Any
+                        ) -> tuple[Any, Any]:
+    out, lse, *_ = _op(choice, False, q4.device)(q4, k4, v4, 0.0, choice.is_causal, False, scale=scale)
+    return out, lse
+
+
+def _expanded(bias: Any, q4: Any) -> Any:
+    """The [R, C] bias as the [B, H, R, C] the CUDA ops read (a view)."""
+    return None if bias is None else bias.expand(q4.shape[0], q4.shape[1], q4.shape[2], bias.shape[-1])
+
+
+def _cuda_efficient_forward(choice: KernelChoice, q4: Any, k4: Any, v4: Any, scale: float, bias: Any
+                            ) -> tuple[Any, Any]:
+    out, lse, *_ = _op(choice, False, q4.device)(q4, k4, v4, _expanded(bias, q4), True, 0.0, choice.is_causal,
+                                                 scale=scale)
+    return out, lse[..., :q4.shape[2]]  # its rows are padded to a multiple of 32
+
+
+def _cuda_cudnn_forward(choice: KernelChoice, q4: Any, k4: Any, v4: Any, scale: float, bias: Any
+                        ) -> tuple[Any, Any]:
+    out, lse, *_ = _op(choice, False, q4.device)(q4, k4, v4, _expanded(bias, q4), True, 0.0, choice.is_causal,
+                                                 False, scale=scale)
+    return out, lse.reshape(*lse.shape[:2], q4.shape[2])  # [B, H, R, 1]
+
+
+def _cpu_flash_backward(choice: KernelChoice, do4: Any, q4: Any, k4: Any, v4: Any, out4: Any, lse: Any,
+                        scale: float, bias: Any) -> tuple[Any, Any, Any]:
+    lse = lse.reshape(q4.shape[:-1])
+    if choice.diagonal_blocks > 1:
+        return diagonal.backward(_CPU_FLASH_BACKWARD, do4, q4, k4, v4, out4, lse, scale, choice.diagonal_blocks)
+    dq, dk, dv = _CPU_FLASH_BACKWARD(do4, q4, k4, v4, out4, lse, 0.0, choice.is_causal, attn_mask=bias, scale=scale)
+    return dq, dk, dv
+
+
+def _cuda_flash_backward(choice: KernelChoice, do4: Any, q4: Any, k4: Any, v4: Any, out4: Any, lse: Any,
+                         scale: float, bias: Any) -> tuple[Any, Any, Any]:
+    r, c = q4.shape[2], k4.shape[2]
+    seed = torch.empty(2, dtype=torch.uint64, device=q4.device)  # dropout 0: the philox state is not read
+    offset = torch.empty((), dtype=torch.uint64, device=q4.device)
+    dq, dk, dv = _op(choice, True, q4.device)(do4, q4, k4, v4, out4, _lse4(lse, q4), None, None, r, c, 0.0,
+                                              choice.is_causal, seed, offset, scale=scale)
+    return dq, dk, dv
+
+
+def _lse4(lse: Any, q4: Any) -> Any:
+    """The log-sum-exp as the CUDA backward ops read it: [B, H, R] float32, contiguous."""
+    return lse.reshape(q4.shape[:-1]).float().contiguous()
+
+
+def _cuda_efficient_backward(choice: KernelChoice, do4: Any, q4: Any, k4: Any, v4: Any, out4: Any, lse: Any,
+                             scale: float, bias: Any) -> tuple[Any, Any, Any]:
+    r, lse4 = q4.shape[2], _lse4(lse, q4)
+    seed, offset = torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)  # dropout 0
+    padded = lse4.new_zeros(*lse4.shape[:-1], -(-r // 32) * 32)  # the op's own row padding
+    padded[..., :r] = lse4
+    dq, dk, dv, _ = _op(choice, True, q4.device)(do4, q4, k4, v4, _expanded(bias, q4), out4, padded, seed, offset,
+                                                 0.0, [True, True, True, False], choice.is_causal, scale=scale)
+    return dq, dk, dv
+
+
+def _cuda_cudnn_backward(choice: KernelChoice, do4: Any, q4: Any, k4: Any, v4: Any, out4: Any, lse: Any,
+                         scale: float, bias: Any) -> tuple[Any, Any, Any]:
+    r, c = q4.shape[2], k4.shape[2]
+    seed, offset = torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)  # dropout 0
+    dq, dk, dv = _op(choice, True, q4.device)(do4, q4, k4, v4, out4, _lse4(lse, q4).unsqueeze(-1), seed, offset,
+                                              _expanded(bias, q4), None, None, r, c, 0.0, choice.is_causal,
+                                              scale=scale)
+    return dq, dk, dv
+
+
+#: Each fused kernel's forward and backward call.
+_CALLS = {
+    Kernel.CPU_FLASH: (_cpu_flash_forward, _cpu_flash_backward),
+    Kernel.CUDA_FLASH: (_cuda_flash_forward, _cuda_flash_backward),
+    Kernel.CUDA_EFFICIENT: (_cuda_efficient_forward, _cuda_efficient_backward),
+    Kernel.CUDA_CUDNN: (_cuda_cudnn_forward, _cuda_cudnn_backward),
+}
 
 
 def forward(choice: KernelChoice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -255,26 +388,12 @@ def forward(choice: KernelChoice, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     """
     lead, (hkv, g, r, _), dv = q.shape[:-4], q.shape[-4:], v.shape[-1]
     q, k, v = (t.to(choice.dtype) for t in (q, k, v))
-    if choice.name == "math":
+    if choice.name is Kernel.MATH:
         out, lse = _math_forward(q, k, v, scale, masked)
     else:
         q4, k4, v4 = _q4(choice, q), _kv4(choice, k, g), _kv4(choice, v, g)
         bias = None if not choice.bias else _bias(masked, q4.dtype, 16)  # type: ignore[arg-type]
-        if choice.name == "cpu_flash" and choice.diagonal_blocks > 1:
-            out, lse = diagonal.forward(_CPU_FLASH, q4, k4, v4, scale, choice.diagonal_blocks)
-        elif choice.name == "cpu_flash":
-            out, lse = _CPU_FLASH(q4, k4, v4, 0.0, choice.is_causal, attn_mask=bias, scale=scale)
-        elif choice.name == "cuda_flash":
-            out, lse, *_ = _op(choice, False, q.device)(q4, k4, v4, 0.0, choice.is_causal, False, scale=scale)
-        elif choice.name == "cuda_efficient":
-            b4 = None if bias is None else bias.expand(q4.shape[0], q4.shape[1], r, bias.shape[-1])
-            out, lse, *_ = _op(choice, False, q.device)(q4, k4, v4, b4, True, 0.0, choice.is_causal, scale=scale)
-            lse = lse[..., :r]  # its rows are padded to a multiple of 32
-        else:  # cuda_cudnn
-            b4 = None if bias is None else bias.expand(q4.shape[0], q4.shape[1], r, bias.shape[-1])
-            out, lse, *_ = _op(choice, False, q.device)(q4, k4, v4, b4, True, 0.0, choice.is_causal, False,
-                                                        scale=scale)
-            lse = lse.reshape(*lse.shape[:2], r)  # [B, H, R, 1]
+        out, lse = _CALLS[choice.name][0](choice, q4, k4, v4, scale, bias)
     return out.reshape(*lead, hkv, g, r, dv), lse.reshape(*lead, hkv, g, r).to(compute_dtype(q.dtype))
 
 
@@ -286,36 +405,11 @@ def backward(choice: KernelChoice, do: torch.Tensor, q: torch.Tensor, k: torch.T
     rowsum(do * out) (used by the math path; the fused kernels compute it themselves). Layouts as ``forward``."""
     lead, (hkv, g, r, d), c = q.shape[:-4], q.shape[-4:], k.shape[-2]
     q, k, v, do, out = (t.to(choice.dtype) for t in (q, k, v, do, out))
-    if choice.name == "math":
+    if choice.name is Kernel.MATH:
         return _math_backward(do, q, k, v, lse, delta, scale, masked)
     q4, k4, v4, do4, out4 = _q4(choice, q), _kv4(choice, k, g), _kv4(choice, v, g), _q4(choice, do), _q4(choice, out)
-    lse4 = lse.reshape(q4.shape[:-1]).float().contiguous()
     bias = None if not choice.bias else _bias(masked, q4.dtype, 16)  # type: ignore[arg-type]
-    if choice.name == "cpu_flash" and choice.diagonal_blocks > 1:
-        dq, dk, dv = diagonal.backward(_CPU_FLASH_BACKWARD, do4, q4, k4, v4, out4, lse.reshape(q4.shape[:-1]), scale,
-                                       choice.diagonal_blocks)
-    elif choice.name == "cpu_flash":
-        dq, dk, dv = _CPU_FLASH_BACKWARD(do4, q4, k4, v4, out4, lse.reshape(q4.shape[:-1]), 0.0, choice.is_causal,
-                                         attn_mask=bias, scale=scale)
-    elif choice.name == "cuda_flash":
-        op = _op(choice, True, q.device)
-        seed = torch.empty(2, dtype=torch.uint64, device=q.device)  # dropout 0: the philox state is not read
-        offset = torch.empty((), dtype=torch.uint64, device=q.device)
-        dq, dk, dv = op(do4, q4, k4, v4, out4, lse4, None, None, r, c, 0.0, choice.is_causal, seed, offset,
-                        scale=scale)
-    else:
-        b4 = None if bias is None else bias.expand(q4.shape[0], q4.shape[1], r, bias.shape[-1])
-        seed, offset = torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)  # dropout 0
-        if choice.name == "cuda_efficient":
-            padded = lse4.new_zeros(*lse4.shape[:-1], -(-r // 32) * 32)  # the op's own row padding
-            padded[..., :r] = lse4
-            op = _op(choice, True, q.device)
-            dq, dk, dv, _ = op(do4, q4, k4, v4, b4, out4, padded, seed, offset, 0.0, [True, True, True, False],
-                               choice.is_causal, scale=scale)
-        else:  # cuda_cudnn
-            op = _op(choice, True, q.device)
-            dq, dk, dv = op(do4, q4, k4, v4, out4, lse4.unsqueeze(-1), seed, offset, b4, None, None, r, c, 0.0,
-                            choice.is_causal, scale=scale)
+    dq, dk, dv = _CALLS[choice.name][1](choice, do4, q4, k4, v4, out4, lse, scale, bias)
     dk, dv = _unexpand(choice, dk, g), _unexpand(choice, dv, g)
     return (dq.reshape(*lead, hkv, g, r, d), dk.reshape(*lead, hkv, c, d),
             dv.reshape(*lead, hkv, c, v.shape[-1]))
@@ -356,6 +450,6 @@ def _math_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     return dq, dk, dv
 
 
-__all__ = ["CUDA_KERNELS", "KERNELS", "KernelChoice", "TILE_KINDS", "backward", "choose_kernel", "compute_dtype",
-           "cuda_kernels_enabled", "forward", "mask_of"]
+__all__ = ["CUDA_KERNELS", "HeadLayout", "Kernel", "KernelChoice", "Name", "TileKind", "backward", "choose_kernel",
+           "compute_dtype", "cuda_kernels_enabled", "forward", "mask_of"]
 

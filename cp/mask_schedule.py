@@ -26,6 +26,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from cp.kernels import TileKind, mask_of
+
 #: A run of at least this many queries with one key interval is a tile of its own, computed without a mask.
 FULL_ROWS = 16
 #: Shorter runs are grouped into masked tiles of at most about this many queries.
@@ -39,8 +41,8 @@ Rows = Any  # a slice of local query rows, or a LongTensor of them
 @dataclass(frozen=True)
 class Tile:
     """Queries ``rows`` (local indices) x the block's columns [c0, c1); lo/hi: each row's interval relative
-    to c0 (None when every pair of the tile is allowed, or for a causal tile). ``causal``: a square tile
-    whose row i sees columns c0 .. c0 + i (the kernels' own causal flag; no mask is built)."""
+    to c0 (masked tiles only). ``kind``: full (every pair allowed), causal (a square tile whose row i sees
+    columns c0 .. c0 + i: the kernels' own causal flag; no mask is built) or masked."""
 
     rows: Rows
     c0: int
@@ -48,27 +50,20 @@ class Tile:
     lo: torch.Tensor | None
     hi: torch.Tensor | None
     allowed: int  # allowed (query, key) pairs in the tile
-    causal: bool = False
+    kind: TileKind
 
     @property
     def num_rows(self) -> int:
         r = self.rows
         return r.stop - r.start if isinstance(r, slice) else r.numel()
 
-    @property
-    def kind(self) -> str:
-        """``"full"``, ``"causal"`` or ``"masked"`` (cp.kernels' tile kinds)."""
-        return "causal" if self.causal else "full" if self.lo is None else "masked"
-
     def masked_out(self, device: torch.device) -> torch.Tensor | None:
         """Bool [rows, c1 - c0], True where the query must not see the key; None for a fully allowed tile."""
-        from cp.kernels import mask_of
-
         return mask_of(self.lo, self.hi, self.num_rows, self.c1 - self.c0, self.kind, device)
 
     def to(self, device: torch.device) -> Tile:
         return Tile(_to(self.rows, device), self.c0, self.c1, _to(self.lo, device), _to(self.hi, device), self.allowed,
-                    self.causal)
+                    self.kind)
 
 
 @dataclass(frozen=True)
@@ -168,13 +163,14 @@ def _tiles(rows: torch.Tensor, clo: torch.Tensor, chi: torch.Tensor, full_rows: 
         lo, hi = clo[a:b], chi[a:b]
         c0, c1 = int(lo.min()), int(hi.max())
         allowed = int((hi - lo).sum())
-        full = allowed == (b - a) * (c1 - c0)
-        return Tile(_as_rows(rows[a:b]), c0, c1, None if full else lo - c0, None if full else hi - c0, allowed)
+        if allowed == (b - a) * (c1 - c0):
+            return Tile(_as_rows(rows[a:b]), c0, c1, None, None, allowed, TileKind.FULL)
+        return Tile(_as_rows(rows[a:b]), c0, c1, lo - c0, hi - c0, allowed, TileKind.MASKED)
 
     def diagonal(a: int, b: int) -> list[Tile]:
         r, c0, first = b - a, int(clo[a]), int(chi[a]) - 1  # the first row sees c0 .. first
-        out = [] if first == c0 else [Tile(_as_rows(rows[a:b]), c0, first, None, None, r * (first - c0))]
-        return out + [Tile(_as_rows(rows[a:b]), first, first + r, None, None, r * (r + 1) // 2, causal=True)]
+        out = [] if first == c0 else [Tile(_as_rows(rows[a:b]), c0, first, None, None, r * (first - c0), TileKind.FULL)]
+        return out + [Tile(_as_rows(rows[a:b]), first, first + r, None, None, r * (r + 1) // 2, TileKind.CAUSAL)]
 
     tiles: list[Tile] = []
     pending: int | None = None  # first row of the masked tile being gathered

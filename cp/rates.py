@@ -155,7 +155,7 @@ def _measure(group: Any, n: int, rank: int, dev: torch.device, dtype: torch.dtyp
     all_gather_into(every, mine, group)
     rows = every.view(n, mine.numel()).cpu()
     together, small, big, overlapped = (float(rows[:, i].median()) for i in range(4))
-    parallel = _parallel(rows[:, 4:].tolist(), dev.type == "cuda")
+    parallel = ranks_at_once(rows[:, 4:].tolist(), dev.type == "cuda")
     flops = parallel_state.AttentionShape(heads=heads, head_dim=head_dim, backward=backward).pair_flops * QUERIES * KEYS
     xfer = max(big - small, 1e-6)
     hidden = (together + big - overlapped) / max(min(together, big), 1e-6)
@@ -164,7 +164,7 @@ def _measure(group: Any, n: int, rank: int, dev: torch.device, dtype: torch.dtyp
         overlap=min(1.0, max(0.0, hidden)), parallel=parallel)
 
 
-def _parallel(rows: list[list[float]], cuda: bool) -> float:
+def ranks_at_once(rows: list[list[float]], cuda: bool) -> float:
     """How many of the ranks compute at once, from each rank's (host, device slot, cores over threads)."""
     hosts: dict[float, list[list[float]]] = {}
     for row in rows:

@@ -34,10 +34,10 @@ from typing import Any, Sequence
 
 import torch
 
-from cp import debug, engine, mask_schedule
-from cp.comm import check_group, global_ranks
-from cp.layout import _check_dims, _check_length, _scale, sdpa_in_layout
-from cp.shard import check_tensor, shard_sizes
+from cp import call_check, debug, engine, inputs, mask_schedule, masked, transports
+from cp.comm import global_ranks
+from cp.layout import sdpa_in_layout
+from cp.shard import shard_sizes
 
 
 def _contiguous_schedule(causal: bool, blocks: tuple[int, ...], rank: int, device: torch.device
@@ -57,58 +57,34 @@ def _contiguous_schedule(causal: bool, blocks: tuple[int, ...], rank: int, devic
     return mask_schedule.cached((mask, blocks), ("contiguous", rank, str(device)), make)
 
 
-def _check_qkv(what: str, q: Any, k: Any, v: Any, seq_dim: Any, head_dim: Any, n: int) -> tuple[int, int, int]:
-    """Check q, k and v for attention in layout (seq_dim, head_dim); (seq dim, head dim, query heads per K/V head)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(what, t, name)
-    dims = [_check_dims(what, t, name, seq_dim, head_dim, n) for name, t in (("q", q), ("k", k), ("v", v))]
-    if len({t.dim() for t in (q, k, v)}) != 1 or len({(t.dtype, t.device) for t in (q, k, v)}) != 1:
-        raise ValueError(
-            f"{what}: q, k and v must have the same number of dims, dtype and device; got "
-            + ", ".join(f"{nm} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} on {t.device}"
-                        for nm, t in (("q", q), ("k", k), ("v", v))) + "; convert them to one dtype and device")
-    s, h = dims[0]
-    if q.dim() < 3:
-        raise ValueError(f"{what}: q has shape {tuple(q.shape)}; attention needs at least 3 dims (sequence, heads "
-                         f"and the feature dim, which is the last dim left once seq_dim and head_dim are taken)")
-    if not q.dtype.is_floating_point:
-        raise TypeError(f"{what}: q, k and v have dtype {q.dtype}; attention needs a floating-point dtype")
-    shapes = {nm: tuple(t.movedim((h, s), (-3, -2)).shape) for nm, t in (("q", q), ("k", k), ("v", v))}
-    qs, ks, vs = shapes["q"], shapes["k"], shapes["v"]
-    layout = f"(seq_dim={seq_dim}, head_dim={head_dim})"
-    problems = []
-    if not qs[:-3] == ks[:-3] == vs[:-3]:
-        problems.append("their batch dims differ")
-    if not qs[-2] == ks[-2] == vs[-2]:
-        problems.append(f"their sequence lengths differ ({qs[-2]}, {ks[-2]}, {vs[-2]}): each rank's q, k and v "
-                        f"must be the same tokens")
-    if ks[-3] != vs[-3] or qs[-3] % ks[-3]:
-        problems.append(f"k and v must have the same number of heads, and it must divide q's ({qs[-3]}); got k "
-                        f"{ks[-3]}, v {vs[-3]}")
-    if qs[-1] != ks[-1]:
-        problems.append(f"q's and k's feature dims differ ({qs[-1]} and {ks[-1]})")
-    if problems:
-        raise ValueError(f"{what}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} {layout}: "
-                         + "; ".join(problems))
-    return s, h, qs[-3] // ks[-3]
+def _plain(call: inputs.Call) -> torch.Tensor:
+    """Attention in one process (no ring): SDPA, with K/V heads repeated for GQA."""
+    t = call.tensors
+    k, v = t.k, t.v
+    if t.groups > 1:
+        k, v = (x.repeat_interleave(t.groups, dim=t.h) for x in (k, v))
+    return sdpa_in_layout(t.q, k, v, seq_dim=t.s, head_dim=t.h, is_causal=call.causal, scale=call.scale)
 
 
-def _check_blocks(what: str, q: torch.Tensor, s: int, blocks: tuple[int, ...], rank: int, group: Any,
-                  how: str) -> None:
+def attend_blocks(call: inputs.Call, blocks: tuple[int, ...], how: str = "blocks") -> torch.Tensor:
+    """The ring over a checked call whose group rank i holds the contiguous ``blocks[i]`` tokens (``how`` names
+    where those sizes came from, for messages); plain or causal attention by ``call.causal``."""
+    t, group, rank = call.tensors, call.group, call.rank
+    q, s = t.q, t.s
+    if call.n > 1 and debug.enabled():  # first, so that a rank with a wrong shard fails on every rank, not alone
+        _debug_check(call, blocks)
     if q.shape[s] != blocks[rank]:
         who = f"group rank {rank} (global {global_ranks(group)[rank]})" if group is not None else "this process"
         raise ValueError(
-            f"{what}: {who} holds {q.shape[s]} tokens (q {tuple(q.shape)}, seq_dim {s}) but {how} gives it "
+            f"{call.what}: {who} holds {q.shape[s]} tokens (q {tuple(q.shape)}, seq_dim {s}) but {how} gives it "
             f"{blocks[rank]} (every rank's: {list(blocks)}); shard the sequence with "
             f"cp.split_inputs_cp(x, seq_dim, group{', uneven=True' if 'length' in how else ''})")
-
-
-def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, h: int, groups: int, causal: bool,
-           scale: float) -> torch.Tensor:
-    """Attention in one process (no ring): SDPA, with K/V heads repeated for GQA."""
-    if groups > 1:
-        k, v = (t.repeat_interleave(groups, dim=h) for t in (k, v))
-    return sdpa_in_layout(q, k, v, seq_dim=s, head_dim=h, is_causal=causal, scale=scale)
+    if call.n == 1:
+        return _plain(call)
+    assert call.scale is not None
+    sched = _contiguous_schedule(call.causal, blocks, rank, q.device)
+    run = engine.AttentionCall(s, t.h, t.groups, call.scale, group, sched, transports.Ring)
+    return engine.attend(run, q, t.k, t.v)
 
 
 def ring_attention_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: Any, blocks: Sequence[int],
@@ -118,36 +94,22 @@ def ring_attention_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_
     """ring_attention with explicit per-rank block sizes: group rank i holds ``blocks[i]`` tokens.
 
     The blocks are contiguous and in group-rank order (for ``causal``, their global positions follow
-    from the sizes). usp uses this for ring blocks that are sums of Ulysses shards.
+    from the sizes). ``what`` and ``how`` name the call and the sizes' origin in messages.
     """
-    if cp_group is not None:
-        check_group(cp_group, what)
-    n = 1 if cp_group is None else cp_group.size()
-    s, h, groups = _check_qkv(what, q, k, v, seq_dim, head_dim, n)
-    if not isinstance(causal, bool):
-        raise TypeError(f"{what}: causal must be a bool, got {type(causal).__name__} {causal!r}")
+    n, rank = inputs.group_size(what, cp_group)
+    t = inputs.tensors(what, q, k, v, seq_dim, head_dim, n)
+    causal = inputs.check_causal(what, causal)
     blocks = tuple(blocks)
     if len(blocks) != n or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in blocks):
         raise ValueError(f"{what}: blocks={list(blocks)} must give a positive token count for each of the group's "
                          f"{n} ranks")
-    scale = _scale(what, softmax_scale, _feature(q, s, h))
-    rank = 0 if cp_group is None else cp_group.rank()
-    if n > 1 and debug.enabled():  # first, so that a rank with a wrong shard fails on every rank, not alone
-        _debug_check(what, q, s, blocks, cp_group)
-    _check_blocks(what, q, s, blocks, rank, cp_group, how)
-    if n == 1:
-        return _plain(q, k, v, s, h, groups, causal, scale)
-    sched = _contiguous_schedule(causal, blocks, rank, q.device)
-    return engine.attend(engine.AttentionCall(s, h, groups, scale, cp_group, sched, "ring"), q, k, v)
+    scale = inputs.check_scale(what, softmax_scale, t.feature)
+    return attend_blocks(inputs.Call(what, t, cp_group, n, rank, scale, causal=causal), blocks, how)
 
 
-def _feature(q: torch.Tensor, s: int, h: int) -> int:
-    """The feature dim's size: the last dim once the sequence and head dims are taken."""
-    return q.movedim((h, s), (-3, -2)).shape[-1]
-
-
-def _debug_check(what: str, q: torch.Tensor, s: int, blocks: tuple[int, ...], group: Any) -> None:
+def _debug_check(call: inputs.Call, blocks: tuple[int, ...]) -> None:
     """PARALLEL_STATE_DEBUG: every rank checks every rank's q against the block sizes, so all raise together."""
+    q, s, group = call.tensors.q, call.tensors.s, call.group
     metas = debug.gather_meta(q, group)
     ranks = global_ranks(group)
     mine = tuple(q.shape[:s]) + tuple(q.shape[s + 1:])
@@ -155,7 +117,7 @@ def _debug_check(what: str, q: torch.Tensor, s: int, blocks: tuple[int, ...], gr
            if m.shape is None or len(m.shape) != q.dim() or m.shape[s] != blocks[i]
            or tuple(m.shape[:s]) + tuple(m.shape[s + 1:]) != mine or m.dtype != metas[0].dtype]
     if bad:
-        raise ValueError(f"{what} ({debug.ENV}): q differs across the group from what the block sizes "
+        raise ValueError(f"{call.what} ({debug.ENV}): q differs across the group from what the block sizes "
                          f"{list(blocks)} (seq_dim {s}) say: {'; '.join(bad)}")
 
 
@@ -175,57 +137,42 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: 
     ``mask`` (a ``cp.Mask``) and/or ``plan`` (a ``cp.DispatchPlan`` for this group): masked attention.
     With a plan, this rank holds the tokens ``plan.positions[rank]`` (what ``cp.dispatch`` gives it)
     and the mask is the plan's; with a mask alone, the contiguous split above. K/V then go point to
-    point from their owner to exactly the ranks whose queries see them (see ``cp.masked``); one
-    small gather checks every rank's token count and plan before any K/V moves, so a mistake raises
-    on every rank. ``causal=True`` is the plain path; with a mask, pass ``cp.Mask.causal()`` instead.
+    point from their owner to exactly the ranks whose queries see them (see ``cp.masked``); the ranks
+    check every distinct call's token counts and plan across the group before any K/V moves
+    (``cp.call_check``), so a mistake raises on every rank. ``causal=True`` is the plain path; with a mask,
+    pass ``cp.Mask.causal()`` instead.
     """
     what = "ring_attention"
-    if cp_group is not None:
-        check_group(cp_group, what)
-    n = 1 if cp_group is None else cp_group.size()
+    n, rank = inputs.group_size(what, cp_group)
     if mask is not None or plan is not None:
-        from cp.masked import MaskedArgs
-
-        return _masked_ring(what, q, k, v, cp_group,
-                            MaskedArgs(mask, plan, causal, length, seq_dim, head_dim, softmax_scale))
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(what, t, name)
-    s = _check_dims(what, q, "q", seq_dim, head_dim, n)[0]
-    if length is None:
-        blocks, how = (q.shape[s],) * n, "blocks"
+        return masked_ring(inputs.masked_call(what, q, k, v, cp_group, causal=causal, mask=mask, plan=plan,
+                                              length=length, seq_dim=seq_dim, head_dim=head_dim,
+                                              softmax_scale=softmax_scale, n=n, rank=rank))
+    t = inputs.tensors(what, q, k, v, seq_dim, head_dim, n)
+    causal = inputs.check_causal(what, causal)
+    total = inputs.check_length(what, length, n)
+    scale = inputs.check_scale(what, softmax_scale, t.feature)
+    if total is None:
+        blocks, how = (t.local,) * n, "blocks"
     else:
-        _check_length(what, length, n)
-        blocks, how = shard_sizes(length, n), f"length={length} (cp.shard_sizes({length}, {n}))"
-    return ring_attention_blocks(q, k, v, cp_group, blocks, causal=causal, seq_dim=seq_dim, head_dim=head_dim,
-                                 softmax_scale=softmax_scale, what=what, how=how)
+        blocks, how = shard_sizes(total, n), f"length={total} (cp.shard_sizes({total}, {n}))"
+    return attend_blocks(inputs.Call(what, t, cp_group, n, rank, scale, total, causal), blocks, how)
 
 
-def _masked_ring(what: str, q: Any, k: Any, v: Any, group: Any, args: Any) -> torch.Tensor:
-    """ring_attention with ``mask`` / ``plan`` (``args``, a cp.masked.MaskedArgs): checks, the cached schedule,
-    the engine."""
-    from cp import masked
-
-    n = 1 if group is None else group.size()
-    s, h, _ = _check_qkv(what, q, k, v, args.seq_dim, args.head_dim, n)
-    if not isinstance(args.causal, bool):
-        raise TypeError(f"{what}: causal must be a bool, got {type(args.causal).__name__} {args.causal!r}")
-    if args.length is not None:
-        _check_length(what, args.length, n)
-    scale = _scale(what, args.scale, _feature(q, s, h))
-    given = args.plan
-    plan = masked.resolve(what, args, n, q.shape[s])
-    rank = 0 if group is None else group.rank()
-    sched = masked.schedule(plan, "plan", lambda: plan.positions, rank, q.device)
-    layout, fix = masked.layout_words(given, plan, n)
+def masked_ring(call: inputs.Call) -> torch.Tensor:
+    """The masked ring of a checked call (``call.masking``): the cached schedule, the cross-rank check, the engine."""
+    t, m = call.tensors, call.masking
+    assert m is not None and call.scale is not None
+    plan = m.plan
+    sched = masked.schedule(plan, "plan", lambda: plan.positions, call.rank, t.q.device)
     check = None
-    if n > 1:  # started by the engine, judged once this rank's own block is computed, before any K/V moves
+    if call.n > 1:  # started by the engine, judged once this rank's own block is computed, before any K/V moves
         def check(posted: Sequence[int]) -> engine.Confirm:
-            return masked.start_agree(what, group, plan, [("q", q.shape[s])], layout, fix,
-                                      even=given is None and args.length is None, posted=posted)
-    elif q.shape[s] != plan.length:
-        raise ValueError(f"{what}: q holds {q.shape[s]} tokens (seq_dim {args.seq_dim}) but the {layout} is for "
-                         f"{plan.length}; without a group, pass the whole sequence")
-    return masked.attend(q, k, v, sched, group if n > 1 else None, s, h, scale, plan.transport, check)
+            return call_check.start(call, [("q", t.local)], posted)
+    elif t.local != plan.length:
+        raise ValueError(f"{call.what}: q holds {t.local} tokens (seq_dim {t.seq_dim}) but the "
+                         f"{m.layout(call.n)[0]} is for {plan.length}; without a group, pass the whole sequence")
+    return masked.attend(t, sched, call.group if call.n > 1 else None, call.scale, plan.transport, check)
 
 
 __all__ = ["ring_attention", "ring_attention_blocks"]

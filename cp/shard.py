@@ -218,8 +218,8 @@ def cat_outputs_cp(x: torch.Tensor, seq_dim: int, cp_group: Any = None, *, lengt
         return x
     with torch.no_grad():
         if sizes is not None:
-            return _gather_cat_uneven(x, dim, cp_group, sizes)
-        return _gather_cat(x, dim, cp_group, cp_group.size())
+            return gather_cat_uneven(x, dim, cp_group, sizes)
+        return gather_cat(x, dim, cp_group, cp_group.size())
 
 
 class _GatherKeepLocalGrad(torch.autograd.Function):
@@ -230,9 +230,9 @@ class _GatherKeepLocalGrad(torch.autograd.Function):
         rank = group.rank()
         if sizes is None:
             ctx.dim, ctx.length, ctx.start = dim, x.shape[dim], rank * x.shape[dim]
-            return _gather_cat(x, dim, group, n)
+            return gather_cat(x, dim, group, n)
         ctx.dim, ctx.length, ctx.start = dim, sizes[rank], sum(sizes[:rank])
-        return _gather_cat_uneven(x, dim, group, sizes)
+        return gather_cat_uneven(x, dim, group, sizes)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -266,7 +266,7 @@ def _buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-def _gather_cat(x: torch.Tensor, dim: int, group: Any, n: int, strategy: str | None = None) -> torch.Tensor:
+def gather_cat(x: torch.Tensor, dim: int, group: Any, n: int, strategy: str | None = None) -> torch.Tensor:
     """The gather itself; call without autograd recording.
 
     ``strategy`` (one of STRATEGIES) overrides the choice by backend and size, for tests.
@@ -320,7 +320,7 @@ def _gather_by_broadcasts(x: torch.Tensor, out_slots: torch.Tensor, pre: int, sh
             out_slots[:, i].copy_(recv[i].view(pre, shard))
 
 
-def _gather_cat_uneven(x: torch.Tensor, dim: int, group: Any, sizes: tuple[int, ...],
+def gather_cat_uneven(x: torch.Tensor, dim: int, group: Any, sizes: tuple[int, ...],
                        strategy: str | None = None) -> torch.Tensor:
     """The gather for shards of ``sizes`` along ``dim`` (agreed by every rank); call without autograd recording.
 

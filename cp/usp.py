@@ -15,18 +15,11 @@ from typing import Any
 
 import torch
 
-from cp.attention import _across_heads, _check_dims, _check_split, _kv_repeats, ulysses_attention
-from cp.comm import check_group, global_ranks
-from cp.layout import _check_length, _scale
-from cp.ring import _check_qkv, ring_attention, ring_attention_blocks
-from cp.shard import check_tensor, shard_sizes
-
-
-def _size(group: Any, name: str) -> int:
-    if group is None:
-        return 1
-    check_group(group, "usp_attention", name)
-    return group.size()
+from cp import call_check, inputs, masked
+from cp.attention import across_heads, masked_ulysses, ulysses
+from cp.comm import global_ranks
+from cp.ring import attend_blocks, ring_attention
+from cp.shard import shard_sizes
 
 
 def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_group: Any, ring_group: Any,
@@ -47,96 +40,73 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_
     the ring ranks' blocks in that order. With a mask alone, the contiguous split.
     """
     what = "usp_attention"
-    u, r = _size(ulysses_group, "ulysses_group"), _size(ring_group, "ring_group")
-    if mask is not None or plan is not None:
-        from cp.masked import MaskedArgs
-
-        return _masked_usp(q, k, v, ulysses_group, ring_group,
-                           MaskedArgs(mask, plan, causal, length, seq_dim, head_dim, softmax_scale))
-    if u == 1:
-        return ring_attention(q, k, v, None if r == 1 else ring_group, causal=causal, length=length,
-                              seq_dim=seq_dim, head_dim=head_dim, softmax_scale=softmax_scale)
-    check_tensor(what, q, "q")
-    s = _check_dims(what, q, "q", seq_dim, head_dim, u * r)[0]
-    if length is None:
-        blocks = (u * q.shape[s],) * r
+    u, i = inputs.group_size(what, ulysses_group, "ulysses_group")
+    r, j = inputs.group_size(what, ring_group, "ring_group")
+    ring = None if r == 1 else ring_group
+    masked_call = mask is not None or plan is not None
+    if u == 1:  # the ring alone (masked or not), or plain attention
+        return ring_attention(q, k, v, ring, causal=causal, mask=mask, plan=plan, length=length, seq_dim=seq_dim,
+                              head_dim=head_dim, softmax_scale=softmax_scale)
+    n, cp_rank = u * r, j * u + i
+    cp_group = f"the cp group ({u} x {r} = {n} ranks)"
+    if masked_call:
+        call = inputs.masked_call(what, q, k, v, ulysses_group, causal=causal, mask=mask, plan=plan, length=length,
+                                  seq_dim=seq_dim, head_dim=head_dim, softmax_scale=softmax_scale, n=n,
+                                  rank=cp_rank, ring_group=ring, length_group=cp_group)
+        if r == 1:
+            return masked_ulysses(call)
+        return _masked_usp(call, u, r, j)
+    t = inputs.tensors(what, q, k, v, seq_dim, head_dim, n)
+    causal = inputs.check_causal(what, causal)
+    total = inputs.check_length(what, length, n, cp_group)
+    scale = inputs.check_scale(what, softmax_scale, t.feature)
+    if total is None:
+        blocks = (u * t.local,) * r
         ulysses_length = None
     else:
-        if isinstance(length, bool) or not isinstance(length, int):
-            raise TypeError(f"{what}: length must be an int (the whole sequence's length) or None, got "
-                            f"{type(length).__name__} {length!r}")
-        if length < u * r:
-            raise ValueError(f"{what}: length={length} is shorter than the cp group ({u} x {r} = {u * r} ranks): "
-                             f"every rank needs at least one token; use fewer ranks or a longer sequence")
-        sizes = shard_sizes(length, u * r)
+        sizes = shard_sizes(total, n)
         # Ring rank j's block is the u consecutive shards of cp ranks j*u .. j*u+u-1; tensor_split's sizes
         # of a sum of consecutive shards split the same way again, so the Ulysses shards are shard_sizes(block, u).
-        blocks = tuple(sum(sizes[j * u:(j + 1) * u]) for j in range(r))
-        j = 0 if r == 1 else ring_group.rank()
-        cp_rank = j * u + ulysses_group.rank()
-        if q.shape[s] != sizes[cp_rank]:
-            who = f"cp rank {cp_rank} (ring rank {j}, ulysses rank {ulysses_group.rank()}, global " \
-                  f"{global_ranks(ulysses_group)[ulysses_group.rank()]})"
-            raise ValueError(f"{what}: {who} holds {q.shape[s]} tokens (q {tuple(q.shape)}) but length={length} "
-                             f"over {u * r} ranks gives it {sizes[cp_rank]} (every cp rank's: {list(sizes)}); "
+        blocks = tuple(sum(sizes[jj * u:(jj + 1) * u]) for jj in range(r))
+        if t.local != sizes[cp_rank]:
+            who = f"cp rank {cp_rank} (ring rank {j}, ulysses rank {i}, global {global_ranks(ulysses_group)[i]})"
+            raise ValueError(f"{what}: {who} holds {t.local} tokens (q {tuple(q.shape)}) but length={total} "
+                             f"over {n} ranks gives it {sizes[cp_rank]} (every cp rank's: {list(sizes)}); "
                              f"shard the sequence with cp.split_inputs_cp(x, seq_dim, cp_group, uneven=True)")
-        # Even after all: no length, which spares ulysses_attention its size check (one small all-gather).
+        # Even after all: no length, which spares Ulysses its size check (one small all-gather).
         ulysses_length = None if len(set(sizes)) == 1 else blocks[j]
-    ring = None if r == 1 else ring_group
 
     def ring_fn(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
         # The whole ring block of this ring rank, for this rank's 1/u of the heads.
-        return ring_attention_blocks(qh, kh, vh, ring, blocks, causal=causal, seq_dim=seq_dim, head_dim=head_dim,
-                                     softmax_scale=softmax_scale, what=what)
+        exchanged = inputs.Tensors(qh, kh, vh, t.s, t.h, seq_dim, head_dim)
+        return attend_blocks(inputs.Call(what, exchanged, ring, r, j, scale, causal=causal), blocks)
 
-    return ulysses_attention(q, k, v, ulysses_group, attn_fn=ring_fn, seq_dim=seq_dim, head_dim=head_dim,
-                             length=ulysses_length)
+    return ulysses(inputs.Call(what, t, ulysses_group, u, i, scale, ulysses_length), ring_fn)
 
 
-def _masked_usp(q: Any, k: Any, v: Any, ulysses_group: Any, ring_group: Any, args: Any) -> torch.Tensor:
-    """usp_attention with ``mask`` / ``plan`` (``args``, a cp.masked.MaskedArgs): Ulysses' exchange around the
-    masked ring over the ring ranks."""
-    from cp import masked
-
-    what = "usp_attention"
-    u, r = _size(ulysses_group, "ulysses_group"), _size(ring_group, "ring_group")
-    a = args
-    if u == 1:  # the masked ring alone, or plain masked attention
-        return ring_attention(q, k, v, None if r == 1 else ring_group, causal=a.causal, mask=a.mask, plan=a.plan,
-                              length=a.length, seq_dim=a.seq_dim, head_dim=a.head_dim, softmax_scale=a.scale)
-    if r == 1:
-        if a.causal:
-            masked.resolve(what, a, u, 0)  # raises: causal=True with a mask
-        kwargs = {} if a.scale is None else {"scale": a.scale}
-        return ulysses_attention(q, k, v, ulysses_group, mask=a.mask, plan=a.plan, length=a.length,
-                                 seq_dim=a.seq_dim, head_dim=a.head_dim, **kwargs)
-    s, h, _ = _check_qkv(what, q, k, v, a.seq_dim, a.head_dim, u * r)
-    if not isinstance(a.causal, bool):
-        raise TypeError(f"{what}: causal must be a bool, got {type(a.causal).__name__} {a.causal!r}")
-    if a.length is not None:
-        _check_length(what, a.length, u * r)
-    scale = _scale(what, a.scale, q.movedim((h, s), (-3, -2)).shape[-1])
-    _check_split(what, q, "q", h, "head_dim", a.head_dim, u, "number of heads")
-    repeats = [_kv_repeats(what, q, t, name, h, u) for name, t in (("k", k), ("v", v))]
-    given = a.plan
-    plan = masked.resolve(what, a, u * r, q.shape[s])
-    j = ring_group.rank()
+def _masked_usp(call: inputs.Call, u: int, r: int, j: int) -> torch.Tensor:
+    """usp_attention with ``mask`` / ``plan`` (``call.masking``) on u x r ranks: Ulysses' exchange around the masked
+    ring over the ring ranks (this rank's ring rank: j)."""
+    t, m, what = call.tensors, call.masking, call.what
+    assert m is not None and call.scale is not None
+    inputs.split(what, t.q, "q", t.h, "head_dim", t.head_dim, u, "number of heads")
+    repeats = t.kv_repeats(what, u)
+    plan, scale, ring_group = m.plan, call.scale, call.ring_group
 
     def ring_positions() -> tuple[tuple[int, ...], ...]:
         # Ring rank jj holds its u cp ranks' tokens one after another (Ulysses gathers in group-rank order).
         return tuple(tuple(p for i in range(jj * u, jj * u + u) for p in plan.positions[i]) for jj in range(r))
 
-    sched = masked.schedule(plan, ("usp", u, r), ring_positions, j, q.device)
-    named = [("q", q.shape[s]), ("k", k.shape[s]), ("v", v.shape[s])]
-    masked.agree(what, ulysses_group, plan, named, *masked.layout_words(given, plan, u * r),
-                 even=given is None and a.length is None, ring_group=ring_group)
+    sched = masked.schedule(plan, ("usp", u, r), ring_positions, j, t.q.device)
+    call_check.check(call, t.tokens())
     block = plan.sizes[j * u:(j + 1) * u]
     seqs = None if len(set(block)) == 1 else [block] * 3
 
     def ring_fn(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
-        return masked.attend(qh, kh, vh, sched, ring_group, s, h, scale, plan.transport)
+        exchanged = inputs.Tensors(qh, kh, vh, t.s, t.h, t.seq_dim, t.head_dim)
+        return masked.attend(exchanged, sched, ring_group, scale, plan.transport)
 
-    return _across_heads(q, k, v, ulysses_group, s, h, repeats, seqs, ring_fn)
+    return across_heads(t, call.group, repeats, seqs, ring_fn)
 
 
 __all__ = ["usp_attention"]

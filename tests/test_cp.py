@@ -66,7 +66,7 @@ def _cases(n):
 def case_round_trip():
     import torch.distributed as dist
 
-    from cp.shard import _gather_cat
+    from cp.shard import gather_cat
 
     checks = 0
     kept = []  # every result, re-checked at the end: a later call must never overwrite an earlier result
@@ -87,8 +87,8 @@ def case_round_trip():
             assert full is not x and full.is_contiguous() and not full.requires_grad
             # The all-gather path (NCCL's) runs here on gloo too, through the same real group.
             dd = d % x.dim()
-            assert _same_bits(_gather_cat(shard, dd, g, n, strategy="all_gather"), x), (x.shape, d)
-            assert _same_bits(_gather_cat(shard, dd, g, n, strategy="broadcasts"), x), (x.shape, d)
+            assert _same_bits(gather_cat(shard, dd, g, n, strategy="all_gather"), x), (x.shape, d)
+            assert _same_bits(gather_cat(shard, dd, g, n, strategy="broadcasts"), x), (x.shape, d)
             assert _same_bits(cp.cat_outputs_cp_with_grad(shard, d, g), x)
             kept.append((full, x))
             checks += 1

@@ -185,11 +185,11 @@ def test_rates_measured_once_and_agreed(pools):
 def test_ranks_computing_at_once_are_counted():
     """measure_rates' sharing count from each rank's (host, device, cores over threads): GPUs by distinct device per
     host, CPU ranks by the cores their threads can use (4 one-thread ranks on 2 cores: 2 at once)."""
-    from cp.rates import _parallel
+    from cp.rates import ranks_at_once
 
-    assert _parallel([[1, 0, 2.0]] * 4, cuda=False) == 2.0
-    assert _parallel([[1, 0, 8.0]] * 4 + [[2, 0, 1.0]] * 3, cuda=False) == 5.0  # 4 of host 1, 1 of host 2
-    assert _parallel([[1, d, 1.0] for d in range(8)] + [[2, 0, 1.0]] * 2, cuda=True) == 9.0  # two share host 2's GPU
+    assert ranks_at_once([[1, 0, 2.0]] * 4, cuda=False) == 2.0
+    assert ranks_at_once([[1, 0, 8.0]] * 4 + [[2, 0, 1.0]] * 3, cuda=False) == 5.0  # 4 of host 1, 1 of host 2
+    assert ranks_at_once([[1, d, 1.0] for d in range(8)] + [[2, 0, 1.0]] * 2, cuda=True) == 9.0  # two share host 2's GPU
 
 
 def test_dispatch_without_group():

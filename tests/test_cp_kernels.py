@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from cp import kernels
-from cp.kernels import CAUSAL, FULL, MASKED, choose_kernel
+from cp.kernels import TileKind, choose_kernel
+
+FULL, CAUSAL, MASKED = TileKind.FULL, TileKind.CAUSAL, TileKind.MASKED
 
 BF, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 Q, K = (2, 8, 64, 64), (2, 8, 64, 64)  # [B, H, R, D] against [B, Hkv, C, D]

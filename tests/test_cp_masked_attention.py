@@ -8,11 +8,12 @@ from __future__ import annotations
 import torch
 
 import cp
+import cp.call_check
 import cp.comm
-import cp.engine
 import cp.kernels
 import cp.mask_schedule
 import cp.masked
+import cp.transports
 from cpgroups import raises as _raises
 from cpgroups import spying
 
@@ -181,7 +182,7 @@ def case_ring_and_ulysses():
                 _, _, s, h = heads
                 cp.kernels.use_fused = c % 2 == 0  # the fused CPU kernel and the plain matmuls take turns
                 # Every transport takes its turn (the layout by mask alone uses the plan's default).
-                transport = cp.engine.TRANSPORTS[c % 3]
+                transport = cp.transports.NAMES[c % 3]
                 plan = _with_transport(_plan(mask, length, n, method), transport)
                 q, k, v, w = _qkvw(length, heads, s, h, 10 * c)
                 # The contiguous layout also by mask alone (with length=), as the plan the ring makes for it.
@@ -209,7 +210,7 @@ def case_ring_and_ulysses():
                     assert not count.kv_sent  # the all-to-all moves K/V, no point-to-point transfer
                     worst = max(worst, err)
                     checks.append(f"ulysses {n} {mask} {method} L={length}")
-        assert transports == set(cp.engine.TRANSPORTS), transports
+        assert transports == set(cp.transports.NAMES), transports
     finally:  # the pool's ranks outlive this case
         _default_tiles()
         for g in made:
@@ -237,7 +238,7 @@ def case_usp():
         for c, (mask, length, method, heads) in enumerate(_cases(4) + clips):
             _, _, s, h = heads
             cp.kernels.use_fused = c % 2 == 1
-            plan = _with_transport(_plan(mask, length, 4, method), cp.engine.TRANSPORTS[c % 3])
+            plan = _with_transport(_plan(mask, length, 4, method), cp.transports.NAMES[c % 3])
             q, k, v, w = _qkvw(length, heads, s, h, 10 * c)
             kwargs = {"mask": mask, "length": length} if method == "contiguous" and c % 4 == 1 else {"plan": plan}
 
@@ -258,15 +259,16 @@ def case_usp():
 
 
 def case_traffic_is_point_to_point_to_the_needy():
-    """Spy on torch.distributed while the masked ring runs (the real functions still run): per pass one all-to-all
-    (the forward's check of every rank's plan and tokens, the backward's round saying every rank posted its
-    receives) with only receives before it, and point-to-point messages only, each to a rank whose queries see
-    the sender's keys; the counter saw the same bytes."""
+    """Spy on torch.distributed while the masked ring runs (the real functions still run): per pass its rounds (the
+    forward's check of every rank's plan and tokens, the backward's round saying every rank posted its receives)
+    with only receives before them, and point-to-point messages only, each to a rank whose queries see the
+    sender's keys; the counter saw the same bytes."""
     import torch.distributed as dist
 
     g = dist.group.WORLD
     me = g.rank()
     calls, sends = [], []
+    cp.call_check.clear()  # a call new to every rank: checked in full
 
     def record(name, args, kwargs):
         calls.append(name)
@@ -282,10 +284,13 @@ def case_traffic_is_point_to_point_to_the_needy():
         forward = len(calls)
         out.sum().backward()
     assert set(calls) <= {"all_to_all_single", "batch_isend_irecv", "isend", "irecv"}, calls
-    for part in (calls[:forward], calls[forward:]):  # gloo: no message leaves before every receive is posted
-        assert part.count("all_to_all_single") == 1 and "isend" not in part[:part.index("all_to_all_single")], calls
+    # gloo: no message leaves before every receive is posted. The forward's rounds: the call's agreement and, as
+    # the call is new, its full check (cp.call_check); the backward's: the round saying every rank posted.
+    for part, rounds in ((calls[:forward], 2), (calls[forward:], 1)):
+        last = len(part) - 1 - part[::-1].index("all_to_all_single")
+        assert part.count("all_to_all_single") == rounds and "isend" not in part[:last], calls
     # gloo: every transfer of the pass starts at step 0; NCCL (one stream per batch) would deadlock on that.
-    assert cp.engine.starts_all_at_once(cp.comm.backend_for(g, "cpu")) and not cp.engine.starts_all_at_once("nccl")
+    assert cp.transports.starts_all_at_once(cp.comm.backend_for(g, "cpu")) and not cp.transports.starts_all_at_once("nccl")
     pairs = plan.pairs()
     sent: dict[int, int] = {}
     for peer, nbytes in sends:

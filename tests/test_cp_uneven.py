@@ -51,7 +51,7 @@ def case_uneven_round_trips():
     gather with grad (local slice only), broadcast_split_tensor, the object lists."""
     import torch.distributed as dist
 
-    from cp.shard import _gather_cat_uneven
+    from cp.shard import gather_cat_uneven
 
     me = dist.get_rank()
     checks = 0
@@ -70,7 +70,7 @@ def case_uneven_round_trips():
                     assert torch.equal(cp.cat_outputs_cp(shard, d, g, **kw), x), (shape, d, kw)
                 if n > 1:
                     for strategy in ("broadcasts", "all_gather"):
-                        got = _gather_cat_uneven(shard, d % x.dim(), g, sizes, strategy=strategy)
+                        got = gather_cat_uneven(shard, d % x.dim(), g, sizes, strategy=strategy)
                         assert torch.equal(got, x), (shape, d, strategy)
                 inp = x if dist.get_rank() == src else (None if me % 2 else torch.zeros(3))
                 out = cp.broadcast_split_tensor(inp, d, g, uneven=True)

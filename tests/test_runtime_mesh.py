@@ -127,7 +127,7 @@ def case_dtensor():
 
 
 def _cycle_use(kind):
-    """Build and use the meshes of one cycle; return weak references to every group they touched."""
+    """Build and use the meshes of one cycle; return weak references to every group they touched, and the meshes."""
     import weakref
 
     mesh = ps.device_mesh()
@@ -144,7 +144,14 @@ def _cycle_use(kind):
         fsdp = ps.fsdp_mesh(2)  # cp 4: both of its groups are new
     touched += [fsdp.get_group(d) for d in ("replicate", "shard")]
     ok &= all(_all_reduce_sum(g) == sum(r + 1 for r in _ranks(g)) for g in touched)
-    return ok, _registry()["pg_map"] - before, [weakref.ref(g) for g in touched]
+    return ok, _registry()["pg_map"] - before, [weakref.ref(g) for g in touched], [mesh, fsdp]
+
+
+def _held_by(meshes):
+    """What the meshes still reach through DeviceMesh's group registry and flattened sub-meshes (read past
+    the dead class, which refuses every other use)."""
+    fields = [object.__getattribute__(m, "__dict__") for m in meshes]
+    return sum(len(f.get(mesh_module._REGISTRY, {})) + len(f.get(mesh_module._FLATTENED, {})) for f in fields)
 
 
 def case_cycles(cycles):
@@ -159,11 +166,14 @@ def case_cycles(cycles):
             _init(tp=2, cp=2, pp=2)
         else:
             _init(cp=4, pp=2)
-        ok, new_groups, refs = _cycle_use(kind)
+        ok, new_groups, refs, kept = _cycle_use(kind)
         ps.destroy_model_parallel()
-        # No gc.collect(): the groups must be freed by destroy itself, not left in a reference cycle.
+        # No gc.collect(): the groups must be freed by destroy itself, not left in a reference cycle, and
+        # meshes a caller kept (``kept``) must not keep them alive.
         out.append({"ok": ok, "new_groups": new_groups, "clean": _registry() == baseline,
-                    "alive": sum(ref() is not None for ref in refs), "stack": len(_mesh_resources.mesh_stack),
+                    "alive": sum(ref() is not None for ref in refs), "held": _held_by(kept),
+                    "dead": all(type(m).__name__ == "DeadDeviceMesh" for m in kept),
+                    "stack": len(_mesh_resources.mesh_stack),
                     "module": (len(mesh_module._meshes), len(mesh_module._fsdp_meshes), len(mesh_module._created),
                                len(mesh_module._borrowed_names))})
     return out
@@ -398,7 +408,7 @@ def test_no_group_survives_destroy_across_cycles(pools):
             assert c["ok"], (rank, i)
             # flatten: DeviceMesh made one cp x tp group; fsdp_mesh(1) made none. cp 4: fsdp_mesh(2) made two.
             assert c["new_groups"] == (1 if i % 2 == 0 else 2), (rank, i, c)
-            assert c["clean"] and c["alive"] == 0 and c["stack"] == 0, (rank, i, c)
+            assert c["clean"] and c["alive"] == 0 and c["held"] == 0 and c["dead"] and c["stack"] == 0, (rank, i, c)
             assert c["module"] == (0, 0, 0, 0), (rank, i, c)
 
 

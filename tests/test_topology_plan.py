@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from parallel_state import ParallelStateAssertionError, ParallelStateError, TopologyPlan
+from parallel_state.topology.kinds import Layout
 from parallel_state.topology.plan import GridKind
 
 ORDERS = ["tp-cp-ep-dp-pp", "tp-pp-dp", "tp-cp-pp-dp", "pp-dp-tp-cp", "dp-cp-tp-pp", "cp-tp-dp-pp",
@@ -15,7 +16,7 @@ ORDERS = ["tp-cp-ep-dp-pp", "tp-pp-dp", "tp-cp-pp-dp", "pp-dp-tp-cp", "dp-cp-tp-
 
 def _megatron_token(spec):
     """A grid kind's dimensions as megatron-core 0.16 names them: gtp_remat (0.19, here of size 1) adds nothing."""
-    return "-".join(t for t in spec.dims.split("-") if t != "gtp_remat")
+    return "-".join(t for t in spec.dims if t != "gtp_remat")
 
 
 def _topologies():
@@ -65,7 +66,7 @@ def test_every_grid_kind_matches_megatron_rank_generators():
             if not isinstance(spec, GridKind) or kind == "dp-cp-ag":
                 continue
             token = _megatron_token(spec)
-            generator = decoder if spec.grid == "decoder" else expert
+            generator = decoder if spec.layout is Layout.DECODER else expert
             ref = generator.get_ranks(token) if token else [[r] for r in range(ws)]
             assert [list(g) for g in plan.groups(kind)] == ref, (ws, tp, cp, pp, ep, order, kind)
             for rank in sorted({0, 1 % ws, ws // 2, ws - 1}):

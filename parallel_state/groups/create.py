@@ -28,6 +28,8 @@ else goes through ``torch.distributed``'s public functions and ``dist.group.WORL
 - ``_world.pg_to_tag`` / ``tags_to_pg``: torch leaves an empty tag list behind per destroyed group.
 - ``_set_pg_timeout`` (``process_groups.update_pg_timeout``): torch has no public way to change a
   live group's timeout.
+- ``ProcessGroup._get_backend(device).options._timeout`` (``process_groups.group_timeout``): torch
+  has no public way to read a group's timeout either.
 - ``ProcessGroup.bound_device_id`` (here, ``process_groups``, ``resolve``, ``mesh``): whether the
   default NCCL group was initialised eagerly, where sub-groups are split collectively.
 """

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
+from parallel_state.groups.kinds import Flavor
 from parallel_state.topology.arguments import optional_positive_int
 
 
@@ -32,7 +33,7 @@ class Entry:
 
     groups: dict[str, Any]
     gloo_groups: dict[str, Any]
-    keys: dict[tuple[str, str], Hashable]  # ("main" | "gloo", kind) -> group key
+    keys: dict[tuple[Flavor, str], Hashable]  # (flavor, kind) -> group key
     slots: int
     owned: list[Any] = field(default_factory=list)
 
@@ -97,10 +98,10 @@ def take(key: str) -> Entry | None:
 def find(group_key: Hashable) -> Any:
     """A cached group with ``group_key`` (None when there is none); counts the hit or miss."""
     for entry in _entries.values():
-        for where, kind in entry.keys:
-            if entry.keys[(where, kind)] == group_key:
+        for (flavor, kind), key in entry.keys.items():
+            if key == group_key:
                 _stats["hits"] += 1
-                return (entry.groups if where == "main" else entry.gloo_groups)[kind]
+                return flavor.of(entry)[kind]
     _stats["misses"] += 1
     return None
 

@@ -4,11 +4,13 @@ The settings are a mapping from megatron-core's group names (``"tp"``, ``"dp_cp"
 ...) to a mapping of ``is_high_priority_stream``, ``cga_cluster_size``, ``max_ctas``,
 ``min_ctas`` and ``net_name`` (a group left out, or a setting left out, keeps NCCL's default).
 ``load_nccl_comm_cfgs`` reads them from megatron-core's YAML file (its
-``nccl_communicator_config_path``) and adds ``high_priority_stream_groups``.
+``nccl_communicator_config_path``) and adds ``high_priority_stream_groups``; :class:`NcclSettings`
+is one build's settings as one value, which gives each kind its options.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from parallel_state.errors import ParallelStateError, ParallelStateTypeError
@@ -129,3 +131,23 @@ def load_nccl_comm_cfgs(path: str | None, high_priority_stream_groups: Sequence[
     for name in groups:
         overwrite_nccl_comm_cfgs(cfgs, name, ("is_high_priority_stream", True))
     return cfgs
+
+
+@dataclass(frozen=True)
+class NcclSettings:
+    """One build's NCCL communicator settings, by config section (megatron-core's ``nccl_comm_cfgs``)."""
+
+    cfgs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: str | None, high_priority_stream_groups: Sequence[str] | None = None) -> NcclSettings:
+        """The settings megatron-core's ``initialize_model_parallel`` reads (:func:`load_nccl_comm_cfgs`)."""
+        return cls(load_nccl_comm_cfgs(path, high_priority_stream_groups))
+
+    def options(self, section: str) -> Any:
+        """``ProcessGroupNCCL.Options`` for a group of ``section`` (None where nothing is configured)."""
+        return get_nccl_options(section, self.cfgs) if self.cfgs else None
+
+    def key(self, section: str) -> str:
+        """``section``'s settings as a comparable value: a cached group serves only equal settings."""
+        return repr(self.cfgs.get(section))

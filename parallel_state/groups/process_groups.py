@@ -1,4 +1,4 @@
-"""megatron-core 0.16's ``create_group``, ``update_pg_timeout`` and ``is_torch_min_version``.
+"""megatron-core 0.16's ``create_group``, ``update_pg_timeout`` and ``is_torch_min_version``; ``group_timeout``.
 
 ``create_group`` is megatron-core's all-ranks path: every rank calls it for every group, and
 it records the caller's groups in a process-group list that ``update_pg_timeout`` walks. A
@@ -171,6 +171,24 @@ def update_pg_timeout(timeout: datetime.timedelta, pg: Any = None, *, include_wo
         except Exception as exc:
             name = "the default group" if group is None else f"group {c10d._world.pg_names.get(group, group)!r}"
             raise ParallelStateError(f"could not set the timeout of {name} to {timeout}: {exc}") from exc
+
+
+def group_timeout(pg: Any = None) -> datetime.timedelta:
+    """The timeout ``pg``'s collectives run under (the default group's when None); 30 minutes, megatron-core's
+    default, where its backend keeps none."""
+    import torch
+
+    dist = _dist()
+    group = dist.group.WORLD if pg is None else pg
+    # torch has no public getter: the backend's options hold it (groups.create lists this internal).
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):  # no backend for that device, or one without options
+            continue
+    from parallel_state.groups.consistency import DEFAULT_TIMEOUT
+
+    return DEFAULT_TIMEOUT
 
 
 _TORCH_VERSION: Any = None

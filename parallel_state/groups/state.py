@@ -8,8 +8,30 @@ from typing import Any, Callable
 
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
 from parallel_state.groups import group_cache
-from parallel_state.topology.kinds import Kind
+from parallel_state.groups.kinds import Flavor
+from parallel_state.groups.options import BuildOptions
+from parallel_state.topology.kinds import PP
 from parallel_state.topology.plan import TopologyPlan
+from parallel_state.topology.str_enum import StrEnum
+
+
+class Override(StrEnum):
+    """A value megatron-core's ``set_*`` testing hooks set (or code writes into its ``_MPU_*`` global), which
+    wins over the live groups."""
+
+    TENSOR_MODEL_PARALLEL_WORLD_SIZE = "tensor_model_parallel_world_size"
+    TENSOR_MODEL_PARALLEL_RANK = "tensor_model_parallel_rank"
+    PIPELINE_MODEL_PARALLEL_WORLD_SIZE = "pipeline_model_parallel_world_size"
+    PIPELINE_MODEL_PARALLEL_RANK = "pipeline_model_parallel_rank"
+    DATA_PARALLEL_RANK = "data_parallel_rank"
+    #: No set_* function: megatron-core's _MPU_DATA_PARALLEL_WORLD_SIZE, which code writes directly.
+    DATA_PARALLEL_WORLD_SIZE = "data_parallel_world_size"
+    VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = "virtual_pipeline_model_parallel_world_size"
+    VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = "virtual_pipeline_model_parallel_rank"
+    EXPERT_MODEL_PARALLEL_WORLD_SIZE = "expert_model_parallel_world_size"
+    EXPERT_MODEL_PARALLEL_RANK = "expert_model_parallel_rank"
+    EXPERT_TENSOR_PARALLEL_WORLD_SIZE = "expert_tensor_parallel_world_size"
+    EXPERT_TENSOR_PARALLEL_RANK = "expert_tensor_parallel_rank"
 
 
 @dataclass
@@ -18,7 +40,8 @@ class ParallelState:
 
     plan: TopologyPlan
     rank: int
-    timeout: datetime.timedelta
+    #: How its groups were built (the all-gather groups added later take their own timeout and NCCL settings).
+    options: BuildOptions
     #: kind -> this rank's group (None where it is in no group of the kind); one group per kind,
     #: except where megatron-core itself shares (``topology.kinds.Kind.shares``).
     groups: dict[str, Any] = field(default_factory=dict)
@@ -28,14 +51,24 @@ class ParallelState:
     owned: list[Any] = field(default_factory=list)
     #: The topology's key in the group cache (None: the cache was off when it was built).
     cache_key: str | None = None
-    #: ("main" | "gloo", kind) -> the key of that group in the group cache.
-    group_keys: dict[tuple[str, str], Any] = field(default_factory=dict)
+    #: (flavor, kind) -> the key of that group in the group cache.
+    group_keys: dict[tuple[Flavor, str], Any] = field(default_factory=dict)
     #: Whether the whole topology came back from the group cache (no group was created).
     from_cache: bool = False
-    virtual_pipeline_size: int | None = None
+    #: The interleaved schedule's current model chunk: 0 when built, as in megatron-core (None without one).
     virtual_pipeline_rank: int | None = None
     #: kind -> this rank's group's ranks, computed once (a group can hold thousands of ranks).
     _ranks: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        """The groups' timeout."""
+        return self.options.timeout
+
+    @property
+    def virtual_pipeline_size(self) -> int | None:
+        """The interleaved schedule's model chunks per stage (None: no virtual pipeline)."""
+        return self.options.virtual_pipeline_size
 
     def ranks(self, kind: str) -> tuple[int, ...]:
         """Global ranks of this rank's group of ``kind``."""
@@ -52,7 +85,7 @@ class ParallelState:
 
 _state: ParallelState | None = None
 #: Values set through Megatron's set_* functions; they win over the live groups, as in Megatron.
-overrides: dict[str, Any] = {}
+overrides: dict[Override, Any] = {}
 #: megatron-core's private globals written by hand (``parallel_state._CONTEXT_PARALLEL_GROUP = g``), by
 #: name: they replace what the live groups answer, as in megatron-core, until destroy_model_parallel().
 written: dict[str, Any] = {}
@@ -72,7 +105,7 @@ def _changed() -> None:
         hook()
 
 
-def set_override(key: str, value: Any, name: str | None = None) -> None:
+def set_override(key: Override, value: Any, name: str | None = None) -> None:
     """Set (or, with None, clear) one of Megatron's set_* values, which win over the live groups: a rank
     is an int >= 0, a size an int >= 1 (errors name ``name``, default ``key``)."""
     from parallel_state.topology.arguments import non_negative_int, positive_int
@@ -130,26 +163,13 @@ def register_teardown_hook(hook: Callable[[], None]) -> None:
         _teardown_hooks.append(hook)
 
 
-def build(
-    plan: TopologyPlan,
-    *,
-    timeout: datetime.timedelta,
-    create_gloo_process_groups: bool,
-    pipeline_backend: str | None = None,
-    nccl_options: Callable[[Kind], Any] = lambda kind: None,
-    nccl_key: Callable[[Kind], Any] = lambda kind: None,
-    virtual_pipeline_size: int | None = None,
-    sharp_kind: str | None = None,
-    cache_key: str | None = None,
-    caches_agree: bool | None = None,
-) -> ParallelState:
-    """Create this rank's groups for ``plan`` and install them; on any error nothing is left behind.
+def build(plan: TopologyPlan, options: BuildOptions) -> ParallelState:
+    """Create this rank's groups for ``plan`` as ``options`` say and install them; on any error nothing
+    is left behind.
 
     ``plan.ranks`` (a subset of the world) limits every group, and every exchange, to those ranks.
-    With the group cache on, ``cache_key`` names the topology: a cached one comes back whole, and
-    each group of a new one is taken from the cache where one with the same key is there.
-    ``caches_agree`` says whether the ranks involved hold the same cached topologies (None: not
-    known yet, so the build compares them in a round of its own).
+    With the group cache on, ``options.cache_key`` names the topology: a cached one comes back
+    whole, and each group of a new one is taken from the cache where one with the same key is there.
     """
     global _state
     import torch.distributed as dist
@@ -177,17 +197,19 @@ def build(
             "world (there every new communicator is split collectively over all ranks); call "
             "torch.distributed.init_process_group without device_id, or build over the whole world"
         )
-    state = ParallelState(plan=plan, rank=rank, timeout=timeout,
-                          virtual_pipeline_size=virtual_pipeline_size,
-                          virtual_pipeline_rank=0 if virtual_pipeline_size is not None else None)
+    state = ParallelState(plan=plan, rank=rank, options=options,
+                          virtual_pipeline_rank=0 if options.virtual_pipeline_size is not None else None)
+    cache_key = options.cache_key
     caching = group_cache.enabled() and cache_key is not None
     if caching:
         from parallel_state.groups.consistency import values_if_different
 
         # Every rank involved must hold the same cached topologies, or their reuse decisions would differ.
+        caches_agree = options.caches_agree
         if caches_agree is None:
             fingerprint = group_cache.fingerprint()
-            caches_agree = values_if_different("parallel_state group cache", fingerprint, timeout, members) is None
+            caches_agree = values_if_different("parallel_state group cache", fingerprint, options.timeout,
+                                               members) is None
         if not caches_agree:
             group_cache.drop_all()
         state.cache_key = cache_key
@@ -202,17 +224,16 @@ def build(
             return state
     reuse = caching and not eager_nccl()  # eager NCCL: every rank takes part in every creation
     gloo_kinds = [name for name, kind in plan.kinds.items() if kind.gloo and plan.gloo_allowed(name)
-                  ] if create_gloo_process_groups else []
+                  ] if options.gloo else []
     # The counter span depends on the plan only, so it is the same on every rank even when
     # this build fails part-way on some of them.
     reserve = sum(plan.num_groups(k) for k in plan.kinds) + sum(plan.num_groups(k) for k in gloo_kinds)
-    base = None if members is None else subset_base(members, reserve, timeout)
-    batch = GroupBatch(timeout=timeout, reserve=reserve, base=base)
+    base = None if members is None else subset_base(members, reserve, options.timeout)
+    batch = GroupBatch(timeout=options.timeout, reserve=reserve, base=base)
     used: list[Any] = []
     try:
-        _create_kinds(state, batch, [("main", k) for k in plan.kinds] + [("gloo", k) for k in gloo_kinds], used,
-                      pipeline_backend=pipeline_backend, nccl_options=nccl_options, nccl_key=nccl_key,
-                      sharp_kind=sharp_kind, reuse=reuse)
+        work = [(Flavor.MAIN, k) for k in plan.kinds] + [(Flavor.GLOO, k) for k in gloo_kinds]
+        _create_kinds(state, batch, work, used, options, reuse=reuse)
         batch.wait_for_members()
     except BaseException:
         state.groups.clear()  # hand every reference to destroy_groups, which frees the groups
@@ -227,31 +248,28 @@ def build(
     return state
 
 
-def extend(plan: TopologyPlan, *, timeout: datetime.timedelta | None = None,
-           nccl_options: Callable[[Kind], Any] = lambda kind: None,
-           nccl_key: Callable[[Kind], Any] = lambda kind: None) -> list[str]:
-    """Build the kinds ``plan`` adds to the live plan (megatron-core 0.18's all-gather groups) and make
-    ``plan`` the live one; return the added kinds. Their groups take ``timeout`` (default: the
-    topology's). On any error the state is as it was."""
+def extend(plan: TopologyPlan, options: BuildOptions) -> list[str]:
+    """Build the kinds ``plan`` adds to the live plan (megatron-core 0.18's all-gather groups) as
+    ``options`` say and make ``plan`` the live one; return the added kinds. On any error the state is
+    as it was."""
     from parallel_state.groups.create import GroupBatch, eager_nccl, subset_base
 
     state = current("create_all_gather_groups")
     added = [k for k in plan.kinds if k not in state.plan.kinds]
     missing = [k for k in added if k not in state.groups]  # a topology from the group cache may hold them
     reserve = sum(plan.num_groups(k) for k in missing)
-    timeout = timeout or state.timeout
-    base = None if plan.ranks is None or not missing else subset_base(plan.ranks, reserve, timeout)
-    batch = GroupBatch(timeout=timeout, reserve=reserve, base=base)
+    base = None if plan.ranks is None or not missing else subset_base(plan.ranks, reserve, options.timeout)
+    batch = GroupBatch(timeout=options.timeout, reserve=reserve, base=base)
     previous, state.plan = state.plan, plan
     used: list[Any] = []
     try:
-        _create_kinds(state, batch, [("main", k) for k in missing], used, nccl_options=nccl_options,
-                      nccl_key=nccl_key, reuse=group_cache.enabled() and not eager_nccl(), timeout=timeout)
+        _create_kinds(state, batch, [(Flavor.MAIN, k) for k in missing], used, options,
+                      reuse=group_cache.enabled() and not eager_nccl())
         batch.wait_for_members()
     except BaseException:
         for kind in missing:
             state.groups.pop(kind, None)
-            state.group_keys.pop(("main", kind), None)
+            state.group_keys.pop((Flavor.MAIN, kind), None)
         state.plan = previous
         _abandon(batch, used)
         raise
@@ -273,37 +291,35 @@ def _abandon(batch: Any, used: list[Any]) -> None:
     batch.close()
 
 
-def _create_kinds(state: ParallelState, batch: Any, work: list[tuple[str, str]], used: list[Any], *,
-                  pipeline_backend: str | None = None, nccl_options: Callable[[Kind], Any] = lambda kind: None,
-                  nccl_key: Callable[[Kind], Any] = lambda kind: None, sharp_kind: str | None = None,
-                  reuse: bool = False, timeout: datetime.timedelta | None = None) -> None:
-    """Create (or take from the group cache) this rank's group of each ("main" | "gloo", kind) of ``work``."""
+def _create_kinds(state: ParallelState, batch: Any, work: list[tuple[Flavor, str]], used: list[Any],
+                  options: BuildOptions, *, reuse: bool) -> None:
+    """Create (or take from the group cache, with ``reuse``) this rank's group of each (flavor, kind) of ``work``."""
     from parallel_state.groups.create import sharp_enabled
 
-    plan, timeout = state.plan, timeout or state.timeout
+    plan, timeout = state.plan, options.timeout
     # Every kind gets a communicator of its own, as in megatron-core: two kinds on one
     # communicator would pair their collectives up in issue order and compute wrong sums.
     # The one exception is megatron-core's own: a kind whose row says it shares another
     # kind's group does so where the plan gives both the same ranks.
-    for where, kind in work:
-        groups = state.groups if where == "main" else state.gloo_groups
+    for flavor, kind in work:
+        groups = flavor.of(state)
         row = plan.kind(kind)
         shared = next((k for k in row.shares if plan.same_group(kind, k)), None)
         if shared is not None:
             groups[kind] = groups[shared]
-            state.group_keys[(where, kind)] = state.group_keys[(where, shared)]
+            state.group_keys[(flavor, kind)] = state.group_keys[(flavor, shared)]
             batch.skip(plan.num_groups(kind))
             continue
-        if where == "main":
-            backend, desc = pipeline_backend if kind == "pp" else None, row.label
-        else:  # a separate gloo group even on a gloo world, as megatron-core builds it
-            backend, desc = "gloo", row.gloo_label
+        main = flavor is Flavor.MAIN
+        # A gloo twin is a separate gloo group even on a gloo world, as megatron-core builds it.
+        backend = (options.pipeline_backend if kind == PP.name else None) if main else "gloo"
+        desc = flavor.label(row)
         # NCCL options go to NCCL groups only (megatron-core: none for a ucc pipeline).
-        nccl = where == "main" and backend in (None, "nccl")
-        sharp = where == "main" and kind == sharp_kind
-        key = (where, desc, state.ranks(kind), backend, nccl_key(row) if nccl else None, sharp,
+        nccl = main and backend in (None, "nccl")
+        sharp = main and kind == options.sharp_kind
+        key = (flavor, desc, state.ranks(kind), backend, options.nccl.key(row.nccl) if nccl else None, sharp,
                timeout.total_seconds())
-        state.group_keys[(where, kind)] = key
+        state.group_keys[(flavor, kind)] = key
         cached = group_cache.find(key) if reuse and state.ranks(kind) else None
         if cached is not None:
             groups[kind] = cached
@@ -312,7 +328,7 @@ def _create_kinds(state: ParallelState, batch: Any, work: list[tuple[str, str]],
             continue
         with sharp_enabled(sharp) as enable:
             groups[kind] = enable(_create(batch, state, kind, backend=backend,
-                                          pg_options=nccl_options(row) if nccl else None, desc=desc))
+                                          pg_options=options.nccl.options(row.nccl) if nccl else None, desc=desc))
 
 
 def _create(batch: Any, state: ParallelState, kind: str, **kwargs: Any) -> Any:

@@ -32,109 +32,113 @@ from typing import Any
 
 from parallel_state.errors import ParallelStateAssertionError
 from parallel_state.groups import state as _st
+from parallel_state.groups.state import Override
 from parallel_state.megatron.accessor_keys import answer
 from parallel_state.megatron.answers import ANSWERS as _A
 from parallel_state.megatron.answers import lookup as _lookup
-from parallel_state.topology import releases
+from parallel_state.topology import answer_keys, kinds, releases
+from parallel_state.topology.answer_keys import INITIALIZED, VPP_SIZE, AnswerKey, Fact
 from parallel_state.topology.arguments import flag, non_negative_int
+from parallel_state.topology.kinds import DP, DP_CP, EMBD, HYBRID, PP
 
 # <generated: accessors> by `python -m parallel_state.tools.generate` from accessor_keys.RULES and the release table
-#: Each global an accessor reads on its fast path, and the answer it holds (``_refresh`` sets them).
-VARIABLES: dict[str, str] = {
-    "_DP_EXISTS": "dp.exists",
-    "_INITIALIZED": "initialized",
-    "_TP_PP_GROUP": "tp-pp.group",
-    "_TP_GROUP": "tp.group",
-    "_PP_GROUP": "pp.group",
-    "_CP_GROUP": "cp.group",
-    "_TP_CP_GROUP": "tp-cp.group",
-    "_EMBD_GROUP": "embd.group",
-    "_POS_EMBD_GROUP": "pos-embd.group",
-    "_CP_RANKS": "cp.ranks",
-    "_HCP_GROUPS": "hcp.groups",
-    "_EP_GROUP": "ep.group",
-    "_ETP_GROUP": "etp.group",
-    "_ETP_EP_GROUP": "etp-ep.group",
-    "_GTP_GROUP": "gtp.group",
-    "_GTP_RANKS": "gtp.ranks",
-    "_EGTP_GROUP": "egtp.group",
-    "_EGTP_RANKS": "egtp.ranks",
-    "_ETP_EP_PP_GROUP": "etp-ep-pp.group",
-    "_ETP_EP_EGTP_PP_GROUP": "etp-ep-egtp-pp.group",
-    "_DIST_OPT_GROUP": "dist-opt.group",
-    "_EDP_INTER_GROUP": "edp-inter.group",
-    "_GTP_DP_GROUP": "gtp-dp.group",
-    "_GTP_DP_CP_GROUP": "gtp-dp-cp.group",
-    "_DP_CP_AG_GROUP": "dp-cp-ag.group",
-    "_GTP_DP_CP_INTRA_GROUP": "gtp-dp-cp-intra.group",
-    "_DP_GROUP": "dp.group",
-    "_DP_CP_GROUP": "dp-cp.group",
-    "_DP_CP_INTRA_GROUP": "dp-cp-intra.group",
-    "_DP_CP_AG_EXISTS": "dp-cp-ag.exists",
-    "_DP_GLOO": "dp.gloo",
-    "_DP_CP_GLOO": "dp-cp.gloo",
-    "_DP_CP_INTRA_GLOO": "dp-cp-intra.gloo",
-    "_TP_DP_GROUP": "tp-dp.group",
-    "_TP_DP_CP_GROUP": "tp-dp-cp.group",
-    "_EGTP_EDP_GROUP": "egtp-edp.group",
-    "_EGTP_EDP_INTRA_GROUP": "egtp-edp-intra.group",
-    "_EDP_GROUP": "edp.group",
-    "_EDP_INTRA_GROUP": "edp-intra.group",
-    "_EDP_GLOO": "edp.gloo",
-    "_EDP_INTRA_GLOO": "edp-intra.gloo",
-    "_TP_SIZE": "tp.size",
-    "_TP_RANK": "tp.rank",
-    "_PP_SIZE": "pp.size",
-    "_PP_RANK": "pp.rank",
-    "_CP_SIZE": "cp.size",
-    "_CP_RANK": "cp.rank",
-    "_TP_CP_SIZE": "tp-cp.size",
-    "_TP_CP_RANK": "tp-cp.rank",
-    "_GTP_DP_SIZE": "gtp-dp.size",
-    "_GTP_DP_CP_SIZE": "gtp-dp-cp.size",
-    "_GTP_DP_CP_INTRA_SIZE": "gtp-dp-cp-intra.size",
-    "_DP_SIZE": "dp.size",
-    "_DP_CP_SIZE": "dp-cp.size",
-    "_DP_CP_INTRA_SIZE": "dp-cp-intra.size",
-    "_GTP_DP_RANK": "gtp-dp.rank",
-    "_GTP_DP_CP_RANK": "gtp-dp-cp.rank",
-    "_GTP_DP_CP_INTRA_RANK": "gtp-dp-cp-intra.rank",
-    "_DP_RANK": "dp.rank",
-    "_DP_CP_RANK": "dp-cp.rank",
-    "_DP_CP_INTRA_RANK": "dp-cp-intra.rank",
-    "_EP_SIZE": "ep.size",
-    "_EP_RANK": "ep.rank",
-    "_ETP_SIZE": "etp.size",
-    "_ETP_RANK": "etp.rank",
-    "_ETP_EP_SIZE": "etp-ep.size",
-    "_ETP_EP_RANK": "etp-ep.rank",
-    "_EGTP_EDP_SIZE": "egtp-edp.size",
-    "_EGTP_EDP_INTRA_SIZE": "egtp-edp-intra.size",
-    "_EDP_SIZE": "edp.size",
-    "_EDP_INTRA_SIZE": "edp-intra.size",
-    "_EGTP_EDP_RANK": "egtp-edp.rank",
-    "_EGTP_EDP_INTRA_RANK": "egtp-edp-intra.rank",
-    "_EDP_RANK": "edp.rank",
-    "_EDP_INTRA_RANK": "edp-intra.rank",
-    "_GTP_SIZE": "gtp.size",
-    "_GTP_RANK": "gtp.rank",
-    "_EGTP_SIZE": "egtp.size",
-    "_EGTP_RANK": "egtp.rank",
-    "_VPP_SIZE": "vpp.size",
-    "_VPP_RANK": "vpp.rank",
-    "_TP_PP_SRC": "tp-pp.src",
-    "_EP_SRC": "ep.src",
-    "_PP_FIRST": "pp.first",
-    "_PP_LAST": "pp.last",
-    "_PP_NEXT": "pp.next",
-    "_PP_PREV": "pp.prev",
-    "_ALL_RANKS": "all_ranks",
-    "_TP_SRC": "tp.src",
-    "_DP_SRC": "dp.src",
-    "_DP_CP_SRC": "dp-cp.src",
-    "_POS_EMBD_IN": "pos-embd.in",
-    "_TP_RANKS": "tp.ranks",
-    "_TP_CP_RANKS": "tp-cp.ranks",
+#: Each global an accessor reads on its fast path, and the key of the answer it holds (``_refresh``
+#: sets them).
+VARIABLES: dict[str, AnswerKey] = {
+    "_DP_EXISTS": kinds.DP.key(Fact.EXISTS),
+    "_INITIALIZED": answer_keys.INITIALIZED,
+    "_TP_PP_GROUP": kinds.TP_PP.key(Fact.GROUP),
+    "_TP_GROUP": kinds.TP.key(Fact.GROUP),
+    "_PP_GROUP": kinds.PP.key(Fact.GROUP),
+    "_CP_GROUP": kinds.CP.key(Fact.GROUP),
+    "_TP_CP_GROUP": kinds.TP_CP.key(Fact.GROUP),
+    "_EMBD_GROUP": kinds.EMBD.key(Fact.GROUP),
+    "_POS_EMBD_GROUP": kinds.POS_EMBD.key(Fact.GROUP),
+    "_CP_RANKS": kinds.CP.key(Fact.RANKS),
+    "_HCP_GROUPS": kinds.HCP.key(Fact.GROUPS),
+    "_EP_GROUP": kinds.EP.key(Fact.GROUP),
+    "_ETP_GROUP": kinds.ETP.key(Fact.GROUP),
+    "_ETP_EP_GROUP": kinds.ETP_EP.key(Fact.GROUP),
+    "_GTP_GROUP": kinds.GTP.key(Fact.GROUP),
+    "_GTP_RANKS": kinds.GTP.key(Fact.RANKS),
+    "_EGTP_GROUP": kinds.EGTP.key(Fact.GROUP),
+    "_EGTP_RANKS": kinds.EGTP.key(Fact.RANKS),
+    "_ETP_EP_PP_GROUP": kinds.ETP_EP_PP.key(Fact.GROUP),
+    "_ETP_EP_EGTP_PP_GROUP": kinds.ETP_EP_EGTP_PP.key(Fact.GROUP),
+    "_DIST_OPT_GROUP": kinds.DIST_OPT.key(Fact.GROUP),
+    "_EDP_INTER_GROUP": kinds.EDP_INTER.key(Fact.GROUP),
+    "_GTP_DP_GROUP": kinds.GTP_DP.key(Fact.GROUP),
+    "_GTP_DP_CP_GROUP": kinds.GTP_DP_CP.key(Fact.GROUP),
+    "_DP_CP_AG_GROUP": kinds.DP_CP_AG.key(Fact.GROUP),
+    "_GTP_DP_CP_INTRA_GROUP": kinds.GTP_DP_CP_INTRA.key(Fact.GROUP),
+    "_DP_GROUP": kinds.DP.key(Fact.GROUP),
+    "_DP_CP_GROUP": kinds.DP_CP.key(Fact.GROUP),
+    "_DP_CP_INTRA_GROUP": kinds.DP_CP_INTRA.key(Fact.GROUP),
+    "_DP_CP_AG_EXISTS": kinds.DP_CP_AG.key(Fact.EXISTS),
+    "_DP_GLOO": kinds.DP.key(Fact.GLOO),
+    "_DP_CP_GLOO": kinds.DP_CP.key(Fact.GLOO),
+    "_DP_CP_INTRA_GLOO": kinds.DP_CP_INTRA.key(Fact.GLOO),
+    "_TP_DP_GROUP": kinds.TP_DP.key(Fact.GROUP),
+    "_TP_DP_CP_GROUP": kinds.TP_DP_CP.key(Fact.GROUP),
+    "_EGTP_EDP_GROUP": kinds.EGTP_EDP.key(Fact.GROUP),
+    "_EGTP_EDP_INTRA_GROUP": kinds.EGTP_EDP_INTRA.key(Fact.GROUP),
+    "_EDP_GROUP": kinds.EDP.key(Fact.GROUP),
+    "_EDP_INTRA_GROUP": kinds.EDP_INTRA.key(Fact.GROUP),
+    "_EDP_GLOO": kinds.EDP.key(Fact.GLOO),
+    "_EDP_INTRA_GLOO": kinds.EDP_INTRA.key(Fact.GLOO),
+    "_TP_SIZE": kinds.TP.key(Fact.SIZE),
+    "_TP_RANK": kinds.TP.key(Fact.RANK),
+    "_PP_SIZE": kinds.PP.key(Fact.SIZE),
+    "_PP_RANK": kinds.PP.key(Fact.RANK),
+    "_CP_SIZE": kinds.CP.key(Fact.SIZE),
+    "_CP_RANK": kinds.CP.key(Fact.RANK),
+    "_TP_CP_SIZE": kinds.TP_CP.key(Fact.SIZE),
+    "_TP_CP_RANK": kinds.TP_CP.key(Fact.RANK),
+    "_GTP_DP_SIZE": kinds.GTP_DP.key(Fact.SIZE),
+    "_GTP_DP_CP_SIZE": kinds.GTP_DP_CP.key(Fact.SIZE),
+    "_GTP_DP_CP_INTRA_SIZE": kinds.GTP_DP_CP_INTRA.key(Fact.SIZE),
+    "_DP_SIZE": kinds.DP.key(Fact.SIZE),
+    "_DP_CP_SIZE": kinds.DP_CP.key(Fact.SIZE),
+    "_DP_CP_INTRA_SIZE": kinds.DP_CP_INTRA.key(Fact.SIZE),
+    "_GTP_DP_RANK": kinds.GTP_DP.key(Fact.RANK),
+    "_GTP_DP_CP_RANK": kinds.GTP_DP_CP.key(Fact.RANK),
+    "_GTP_DP_CP_INTRA_RANK": kinds.GTP_DP_CP_INTRA.key(Fact.RANK),
+    "_DP_RANK": kinds.DP.key(Fact.RANK),
+    "_DP_CP_RANK": kinds.DP_CP.key(Fact.RANK),
+    "_DP_CP_INTRA_RANK": kinds.DP_CP_INTRA.key(Fact.RANK),
+    "_EP_SIZE": kinds.EP.key(Fact.SIZE),
+    "_EP_RANK": kinds.EP.key(Fact.RANK),
+    "_ETP_SIZE": kinds.ETP.key(Fact.SIZE),
+    "_ETP_RANK": kinds.ETP.key(Fact.RANK),
+    "_ETP_EP_SIZE": kinds.ETP_EP.key(Fact.SIZE),
+    "_ETP_EP_RANK": kinds.ETP_EP.key(Fact.RANK),
+    "_EGTP_EDP_SIZE": kinds.EGTP_EDP.key(Fact.SIZE),
+    "_EGTP_EDP_INTRA_SIZE": kinds.EGTP_EDP_INTRA.key(Fact.SIZE),
+    "_EDP_SIZE": kinds.EDP.key(Fact.SIZE),
+    "_EDP_INTRA_SIZE": kinds.EDP_INTRA.key(Fact.SIZE),
+    "_EGTP_EDP_RANK": kinds.EGTP_EDP.key(Fact.RANK),
+    "_EGTP_EDP_INTRA_RANK": kinds.EGTP_EDP_INTRA.key(Fact.RANK),
+    "_EDP_RANK": kinds.EDP.key(Fact.RANK),
+    "_EDP_INTRA_RANK": kinds.EDP_INTRA.key(Fact.RANK),
+    "_GTP_SIZE": kinds.GTP.key(Fact.SIZE),
+    "_GTP_RANK": kinds.GTP.key(Fact.RANK),
+    "_EGTP_SIZE": kinds.EGTP.key(Fact.SIZE),
+    "_EGTP_RANK": kinds.EGTP.key(Fact.RANK),
+    "_VPP_SIZE": answer_keys.VPP_SIZE,
+    "_VPP_RANK": answer_keys.VPP_RANK,
+    "_TP_PP_SRC": kinds.TP_PP.key(Fact.SRC),
+    "_EP_SRC": kinds.EP.key(Fact.SRC),
+    "_PP_FIRST": kinds.PP.key(Fact.FIRST),
+    "_PP_LAST": kinds.PP.key(Fact.LAST),
+    "_PP_NEXT": kinds.PP.key(Fact.NEXT),
+    "_PP_PREV": kinds.PP.key(Fact.PREV),
+    "_ALL_RANKS": answer_keys.ALL_RANKS,
+    "_TP_SRC": kinds.TP.key(Fact.SRC),
+    "_DP_SRC": kinds.DP.key(Fact.SRC),
+    "_DP_CP_SRC": kinds.DP_CP.key(Fact.SRC),
+    "_POS_EMBD_IN": kinds.POS_EMBD.key(Fact.IN),
+    "_TP_RANKS": kinds.TP.key(Fact.RANKS),
+    "_TP_CP_RANKS": kinds.TP_CP.key(Fact.RANKS),
 }
 
 
@@ -1237,21 +1241,27 @@ _st.on_change(_refresh)  # registered after answers.refresh (imported above), so
 
 # --- the accessors written by hand -----------------------------------------------------------
 
+# The keys they read, made once (making a key costs more than reading its answer).
+_KEY_DP_EXISTS, _KEY_DP_CP_GROUP, _KEY_HYBRID_GROUPS = DP.key(Fact.EXISTS), DP_CP.key(Fact.GROUP), HYBRID.key(Fact.GROUPS)
+_KEY_PP_IS_FIRST, _KEY_PP_IS_LAST = PP.key(Fact.IS_FIRST), PP.key(Fact.IS_LAST)
+_KEY_EMBD_IN, _KEY_EMBD_RANKS = EMBD.key(Fact.IN), EMBD.key(Fact.RANKS)
+
+
 def is_unitialized() -> bool:
     """Deprecated megatron-core spelling of ``not is_initialized()``."""
     # Level 1, as megatron-core: a deeper level walks frames on every call of a hot deprecated name.
     warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, 1)
-    return not _A.get("dp.exists", False)
+    return not _A.get(_KEY_DP_EXISTS, False)
 
 
 def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, group_size: int | None = None) -> Any:
     """The hybrid context-parallel group of ``group_size`` ranks holding this rank (dp x cp itself at full size)."""
     check = flag("check_initialized", check_initialized)
-    if not check and "initialized" not in _A:
+    if not check and INITIALIZED not in _A:
         return None
     if group_size == get_data_parallel_world_size(with_context_parallel=True):
-        return _lookup("dp-cp.group") if check else _A.get("dp-cp.group")
-    groups = _lookup("hybrid.groups") if check else _A.get("hybrid.groups")
+        return _lookup(_KEY_DP_CP_GROUP) if check else _A.get(_KEY_DP_CP_GROUP)
+    groups = _lookup(_KEY_HYBRID_GROUPS) if check else _A.get(_KEY_HYBRID_GROUPS)
     if groups is None:
         return None
     if group_size not in groups:
@@ -1272,57 +1282,57 @@ def get_tensor_model_parallel_last_rank(with_context_parallel: bool = False) -> 
 
 def set_tensor_model_parallel_world_size(world_size: int | None) -> None:
     """Override the tensor model parallel world size (megatron-core's testing hook); None clears it."""
-    _st.set_override("tensor_model_parallel_world_size", world_size)
+    _st.set_override(Override.TENSOR_MODEL_PARALLEL_WORLD_SIZE, world_size)
 
 
 def set_tensor_model_parallel_rank(rank: int | None) -> None:
     """Override the tensor model parallel rank (megatron-core's testing hook); None clears it."""
-    _st.set_override("tensor_model_parallel_rank", rank)
+    _st.set_override(Override.TENSOR_MODEL_PARALLEL_RANK, rank)
 
 
 def set_pipeline_model_parallel_world_size(world_size: int | None) -> None:
     """Override the pipeline model parallel world size (megatron-core's testing hook); None clears it."""
-    _st.set_override("pipeline_model_parallel_world_size", world_size)
+    _st.set_override(Override.PIPELINE_MODEL_PARALLEL_WORLD_SIZE, world_size)
 
 
 def set_pipeline_model_parallel_rank(rank: int | None) -> None:
     """Override the pipeline model parallel rank (megatron-core's testing hook); None clears it."""
-    _st.set_override("pipeline_model_parallel_rank", rank)
+    _st.set_override(Override.PIPELINE_MODEL_PARALLEL_RANK, rank)
 
 
 def set_data_parallel_rank(rank: int | None) -> None:
     """Override the data parallel rank (megatron-core's testing hook); None clears it."""
-    _st.set_override("data_parallel_rank", rank)
+    _st.set_override(Override.DATA_PARALLEL_RANK, rank)
 
 
 def set_virtual_pipeline_model_parallel_world_size(world_size: int | None) -> None:
     """Override the virtual pipeline model parallel world size (megatron-core's testing hook); None clears it."""
-    _st.set_override("virtual_pipeline_model_parallel_world_size", world_size)
+    _st.set_override(Override.VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE, world_size)
 
 
 def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
     """Override the virtual pipeline model parallel rank (megatron-core's testing hook); None clears it."""
-    _st.set_override("virtual_pipeline_model_parallel_rank", rank)
+    _st.set_override(Override.VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, rank)
 
 
 def set_expert_model_parallel_world_size(world_size: int | None) -> None:
     """Override the expert model parallel world size (megatron-core's testing hook); None clears it."""
-    _st.set_override("expert_model_parallel_world_size", world_size)
+    _st.set_override(Override.EXPERT_MODEL_PARALLEL_WORLD_SIZE, world_size)
 
 
 def set_expert_model_parallel_rank(rank: int | None) -> None:
     """Override the expert model parallel rank (megatron-core's testing hook); None clears it."""
-    _st.set_override("expert_model_parallel_rank", rank)
+    _st.set_override(Override.EXPERT_MODEL_PARALLEL_RANK, rank)
 
 
 def set_expert_tensor_parallel_world_size(world_size: int | None) -> None:
     """Override the expert tensor parallel world size (megatron-core's testing hook); None clears it."""
-    _st.set_override("expert_tensor_parallel_world_size", world_size)
+    _st.set_override(Override.EXPERT_TENSOR_PARALLEL_WORLD_SIZE, world_size)
 
 
 def set_expert_tensor_parallel_rank(rank: int | None) -> None:
     """Override the expert tensor parallel rank (megatron-core's testing hook); None clears it."""
-    _st.set_override("expert_tensor_parallel_rank", rank)
+    _st.set_override(Override.EXPERT_TENSOR_PARALLEL_RANK, rank)
 
 
 # --- pipeline stages -------------------------------------------------------------------------
@@ -1340,30 +1350,30 @@ def _vp_stage(vp_stage: int | None, vpp: int) -> int:
 def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether this rank runs the first pipeline stage (and, unless ignore_virtual, the first chunk)."""
     if ignore_virtual is not True and not flag("ignore_virtual", ignore_virtual):
-        vpp = _lookup("vpp.size")
+        vpp = _lookup(VPP_SIZE)
         if vpp is not None and _vp_stage(vp_stage, vpp) != 0:
             return False
-    return _A["pp.is_first"] if "pp.is_first" in _A else _lookup("pp.is_first")  # no call where it is there
+    return _A[_KEY_PP_IS_FIRST] if _KEY_PP_IS_FIRST in _A else _lookup(_KEY_PP_IS_FIRST)  # no call where it is there
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether this rank runs the last pipeline stage (and, unless ignore_virtual, the last chunk)."""
     if ignore_virtual is not True and not flag("ignore_virtual", ignore_virtual):
-        vpp = _lookup("vpp.size")
+        vpp = _lookup(VPP_SIZE)
         if vpp is not None and _vp_stage(vp_stage, vpp) != vpp - 1:
             return False
-    return _A["pp.is_last"] if "pp.is_last" in _A else _lookup("pp.is_last")  # no call where it is there
+    return _A[_KEY_PP_IS_LAST] if _KEY_PP_IS_LAST in _A else _lookup(_KEY_PP_IS_LAST)  # no call where it is there
 
 
 def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether this rank holds word embeddings (unless ignore_virtual: in the model chunk that does)."""
-    if "embd.in" not in _A or _A["embd.in"] is not True:
+    if _KEY_EMBD_IN not in _A or _A[_KEY_EMBD_IN] is not True:
         return False
     if ignore_virtual is True or flag("ignore_virtual", ignore_virtual):
         return True
     import torch.distributed as dist
 
-    ranks, rank = _lookup("embd.ranks"), dist.get_rank()
+    ranks, rank = _lookup(_KEY_EMBD_RANKS), dist.get_rank()
     if rank == ranks[0]:
         return is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if rank == ranks[-1]:

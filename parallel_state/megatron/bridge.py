@@ -149,11 +149,6 @@ def follow_write() -> None:
         bridge_megatron()
 
 
-def is_bridged() -> bool:
-    """Whether megatron-core currently reads this project's groups."""
-    return _bridged
-
-
 def _unbridge() -> None:
     """Teardown hook: point megatron-core's globals back to None and give it back its destroy function."""
     global _bridged

@@ -7,23 +7,12 @@ from typing import Any, Callable, Sequence
 
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
 from parallel_state.groups import state as _st
+from parallel_state.groups.nccl import NcclSettings
+from parallel_state.groups.options import BuildOptions
 from parallel_state.topology import releases
 from parallel_state.topology.init_arguments import LOCAL, InitArguments
-from parallel_state.topology.kinds import Kind
+from parallel_state.topology.kinds import DP_CP_AG, EDP_AG, EMBD, POS_EMBD
 from parallel_state.topology.plan import TopologyPlan
-
-
-def _nccl_options(config_path: Any, high_priority: Any) -> tuple[Callable[[Kind], Any], Callable[[Kind], Any]]:
-    """Each kind's NCCL options (None where nothing is configured), as megatron-core builds them, and
-    a comparable key of those settings."""
-    from parallel_state.groups.nccl import get_nccl_options, load_nccl_comm_cfgs
-
-    cfgs = load_nccl_comm_cfgs(config_path, None if high_priority is None else list(high_priority))
-    if not cfgs:
-        return (lambda kind: None), (lambda kind: None)
-    # The settings themselves key a cached group: equal settings, same communicator.
-    return (lambda kind: get_nccl_options(kind.nccl, cfgs)), (lambda kind: repr(cfgs.get(kind.nccl)))
-
 
 #: ``initialize_model_parallel``'s docstring, whichever release's def is the one in use.
 DOC = """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
@@ -193,11 +182,15 @@ def _initialize(args: InitArguments) -> None:
 
     try:
         args = args.validated()
-        plan, (nccl_options, nccl_key) = _planned(args, members)
-        state = _st.build(plan, timeout=timeout, create_gloo_process_groups=args.create_gloo_process_groups,
-                          pipeline_backend=args.pipeline_model_parallel_comm_backend, nccl_options=nccl_options,
-                          nccl_key=nccl_key, virtual_pipeline_size=args.virtual_pipeline_model_parallel_size,
-                          sharp_kind=args.sharp_kind(), cache_key=cache_key, caches_agree=caches_agree)
+        plan = _planned(args, members)
+        priority = args.high_priority_stream_groups
+        options = BuildOptions(
+            timeout=timeout, gloo=args.create_gloo_process_groups,
+            pipeline_backend=args.pipeline_model_parallel_comm_backend,
+            nccl=NcclSettings.load(args.nccl_communicator_config_path, None if priority is None else list(priority)),
+            virtual_pipeline_size=args.virtual_pipeline_model_parallel_size, sharp_kind=args.sharp_kind(),
+            cache_key=cache_key, caches_agree=caches_agree)
+        state = _st.build(plan, options)
     except Exception as exc:
         # Ranks that agreed on the arguments fail alike here, unless their environments
         # differ (a missing file, a backend one node lacks): either way, tell the others, so
@@ -218,8 +211,8 @@ def _initialize(args: InitArguments) -> None:
         raise
 
 
-def _planned(args: InitArguments, members: tuple[int, ...] | None) -> tuple[TopologyPlan, Any]:
-    """The plan of validated ``args`` and each kind's NCCL options, after the checks that need this process."""
+def _planned(args: InitArguments, members: tuple[int, ...] | None) -> TopologyPlan:
+    """The plan of validated ``args``, after the checks that need this process."""
     import torch.distributed as dist
 
     backend = args.pipeline_model_parallel_comm_backend
@@ -231,14 +224,14 @@ def _planned(args: InitArguments, members: tuple[int, ...] | None) -> tuple[Topo
     plan = args.plan(dist.get_world_size() if members is None else len(members), members)
     # The callables are the caller's code: run them on this rank's pipeline now, so a bad
     # return value is an error here, before any group exists.
-    for kind in ("embd", "pos-embd"):
-        plan.group_ranks(kind, dist.get_rank())
+    for kind in (EMBD, POS_EMBD):
+        plan.group_ranks(kind.name, dist.get_rank())
     if args.virtual_pipeline_model_parallel_size is not None and plan.pp <= 1:
         raise ParallelStateError(
             "virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1 "
             "(the interleaved schedule has nothing to interleave otherwise)"
         )
-    return plan, _nccl_options(args.nccl_communicator_config_path, args.high_priority_stream_groups)
+    return plan
 
 
 def create_all_gather_groups(for_expert_parallelism: bool = False, timeout: datetime.timedelta | None = None,
@@ -255,7 +248,6 @@ def create_all_gather_groups(for_expert_parallelism: bool = False, timeout: date
     """
     import dataclasses
 
-    from parallel_state.groups.nccl import get_nccl_options
     from parallel_state.topology import arguments as a
 
     state = _st.peek()
@@ -271,19 +263,17 @@ def create_all_gather_groups(for_expert_parallelism: bool = False, timeout: date
     if nccl_comm_cfgs is not None and not isinstance(nccl_comm_cfgs, dict):
         raise ParallelStateTypeError(f"nccl_comm_cfgs must be a dict of section -> NCCL settings or None, got "
                                      f"{nccl_comm_cfgs!r}")
-    cfgs = nccl_comm_cfgs or {}
+    settings = NcclSettings(nccl_comm_cfgs or {})
     # Every rank of the topology must ask for the same groups, or their group names would not line up.
     check_same_everywhere("create_all_gather_groups", {"for_expert_parallelism": expert, "timeout":
-                          timeout.total_seconds(), "nccl_comm_cfgs": repr(cfgs)}, timeout=timeout,
+                          timeout.total_seconds(), "nccl_comm_cfgs": repr(settings.cfgs)}, timeout=timeout,
                           members=state.plan.ranks)
     plan = dataclasses.replace(state.plan, all_gather=True, expert_all_gather=expert or state.plan.expert_all_gather)
-    added = _st.extend(plan, timeout=timeout,
-                       nccl_options=lambda kind: get_nccl_options(kind.nccl, cfgs) if cfgs else None,
-                       nccl_key=lambda kind: repr(cfgs.get(kind.nccl)))
+    added = _st.extend(plan, dataclasses.replace(state.options, timeout=timeout, nccl=settings))
     if added:
         _bridge_if_megatron_loaded()
     state = _st.current("create_all_gather_groups")
-    return state.groups["dp-cp-ag"], state.groups.get("edp-ag") if expert else None
+    return state.groups[DP_CP_AG.name], state.groups.get(EDP_AG.name) if expert else None
 
 
 def _confirm(error: BaseException | None, timeout: datetime.timedelta, members: Any = None) -> None:

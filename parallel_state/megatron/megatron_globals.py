@@ -11,7 +11,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from parallel_state.groups import state as _st
+from parallel_state.groups.state import Override
 from parallel_state.megatron.answers import ANSWERS, GLOBALS, OVERRIDES
+from parallel_state.topology.answer_keys import VPP_RANK, VPP_SIZE, AnswerKey
 from parallel_state.topology.kinds import ROWS
 
 #: What megatron-core holds in a global while nothing is initialized (None unless listed): a
@@ -20,19 +22,19 @@ EMPTY: dict[str, Callable[[], Any]] = {r.megatron: r.empty for r in ROWS if r.em
 
 #: The globals megatron-core's set_* functions write -> our set_* override key: its _MPU_* caches (which
 #: win over the groups) and the virtual pipeline's two.
-SETTERS: dict[str, str] = {(f"_{key.upper()}" if key.startswith("virtual") else f"_MPU_{key.upper()}"): key
-                           for key in OVERRIDES}
+SETTERS: dict[str, Override] = {(f"_{key.upper()}" if key.startswith("virtual") else f"_MPU_{key.upper()}"): key
+                                for key in OVERRIDES}
 
 #: megatron-core global -> the answer it holds (the kinds' rows, ``answers.GLOBALS``, and the virtual
 #: pipeline's, which is no kind); those with an empty value are computed below.
-FROM_ANSWERS: dict[str, str] = {
+FROM_ANSWERS: dict[str, AnswerKey] = {
     **{name: key for name, key in GLOBALS.items() if name not in EMPTY},
-    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": "vpp.rank",
-    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": "vpp.size",
+    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": VPP_RANK,
+    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": VPP_SIZE,
 }
 
 #: megatron-core's _MPU_* caches -> our set_* override keys; they win over the groups in both.
-FROM_OVERRIDES: dict[str, str] = {name: key for name, key in SETTERS.items() if name.startswith("_MPU_")}
+FROM_OVERRIDES: dict[str, Override] = {name: key for name, key in SETTERS.items() if name.startswith("_MPU_")}
 
 #: The memory buffers: globals of ``megatron.memory``, which their getters read.
 BUFFERS = ("_GLOBAL_MEMORY_BUFFER", "_GLOBAL_SYMMETRIC_MEMORY_BUFFER")

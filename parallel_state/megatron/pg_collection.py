@@ -16,12 +16,13 @@ from typing import Any, Sequence
 from parallel_state.errors import ParallelStateTypeError, ParallelStateValueError
 from parallel_state.megatron.answers import ANSWERS, lookup
 from parallel_state.topology import kinds
+from parallel_state.topology.answer_keys import AnswerKey
 
 #: Field -> the answer holding its group, in megatron-core 0.19's field order (0.16-0.18 have a subset):
 #: every field is a kind's (``hcp``: the hierarchical levels' family), from its row's ``field``. The
 #: data-parallel fields hold the replicate groups, the ``*_gtp_remat`` ones the groups spanning
 #: gtp_remat, as megatron-core 0.19's ``use_mpu_process_groups`` fills them.
-FIELDS: dict[str, str] = {r.field.name: r.answer for r in kinds.FIELDS if r.field is not None}
+FIELDS: dict[str, AnswerKey] = {r.field.name: r.answer for r in kinds.FIELDS if r.field is not None}
 #: Fields that hold None where the group does not exist on this rank (megatron-core reads them with
 #: check_initialized=False, or fills None): those of kinds a plan or a rank may lack.
 OPTIONAL = frozenset(r.field.name for r in kinds.FIELDS if r.field is not None and r.optional)

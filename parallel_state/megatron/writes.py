@@ -20,6 +20,7 @@ from parallel_state.groups import state as _st
 from parallel_state.megatron import bridge, memory
 from parallel_state.megatron.answers import GLOBALS
 from parallel_state.megatron.megatron_globals import BUFFERS, SETTERS
+from parallel_state.topology.answer_keys import Fact, parts
 from parallel_state.topology.arguments import is_int
 
 #: Globals a write cannot take effect in, and the public way to do what it meant.
@@ -48,10 +49,11 @@ def write(name: str, value: Any) -> None:
     """
     if name in READ_ONLY:
         raise ParallelStateError(f"parallel_state.{name} cannot be written: {READ_ONLY[name]}")
-    what = GLOBALS[name].rpartition(".")[2] if name in GLOBALS else ""
-    if value is not None and what in ("group", "gloo"):
+    made = parts(GLOBALS[name]) if name in GLOBALS else None
+    what = made[1] if made is not None else None
+    if value is not None and what in (Fact.GROUP, Fact.GLOO):
         _check_group(name, value)
-    elif value is not None and what == "ranks":
+    elif value is not None and what is Fact.RANKS:
         _check_ranks(name, value)
     previous, replaced = _current(name), _replaced.setdefault(name, [])
     _put(name, value)

@@ -19,6 +19,24 @@ drops the caches, frees the groups that were made here (and any that DeviceMesh 
 for a mesh handed out here, e.g. by ``_flatten``), empties each mesh's group registry so the
 freed groups are not kept alive, and turns every mesh handed out into a dead one whose use
 raises ParallelStateError. torch is imported only when a mesh is asked for.
+
+Teardown uses torch's public API where it has one (``destroy_process_group`` through
+``groups.create.destroy_groups``, ``ProcessGroup.group_name``). torch has none to let a mesh go, so
+it touches these DeviceMesh internals, each named once below (:data:`_REGISTRY`, :data:`_FLATTENED`,
+:data:`_IDENTITY`):
+
+- ``_pg_registry`` (the root mesh's): every group the mesh was given and every group DeviceMesh
+  created for it itself (``_flatten``, ``_unflatten``). No public call lists the latter, which
+  nobody else would ever free; and a mesh a caller kept would keep every freed group alive
+  through it. Read to free the groups DeviceMesh made, then emptied.
+- ``_flatten_mapping`` (the root mesh's): the flattened sub-meshes, which reach the same groups.
+  Emptied for the same reason.
+- the class of every mesh handed out, swapped for :func:`_dead_mesh_class`'s: there is no public
+  way to invalidate a mesh, and a mesh over freed groups would otherwise fail deep in torch (or
+  reach a later topology's group of the same name). The dead class still serves what
+  ``DeviceMesh.__hash__`` and ``__eq__`` read (``_hash``, ``_hash_key``, ``_flatten_rank_map``,
+  ``_layout``, ``_device_type``, ``_mesh_dim_names``, ``_thread_id``): a mesh can sit as a key in
+  torch's own caches (DTensor's sharding propagation), which must still compare it with live ones.
 """
 
 from __future__ import annotations
@@ -28,13 +46,24 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from parallel_state.errors import ParallelStateError, ParallelStateTypeError
 from parallel_state.groups import state as _st
+from parallel_state.topology.kinds import CP, DP, DP_CP, PP, TP, Kind
 
 if TYPE_CHECKING:  # only for annotations: importing parallel_state must not import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-#: The dimensions of ``device_mesh()``, outermost first: megatron-core's default order read from its
-#: slowest dimension (pp) to its fastest (tp), so with that order the mesh is arange(world) reshaped.
-MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+#: The DeviceMesh internals teardown touches (the module's docstring says why): the root mesh's group
+#: registry, its flattened sub-meshes, and what DeviceMesh's __hash__ and __eq__ read.
+_REGISTRY = "_pg_registry"
+_FLATTENED = "_flatten_mapping"
+_IDENTITY = frozenset({"_hash", "_hash_key", "_flatten_rank_map", "_layout", "_device_type", "_mesh_dim_names",
+                       "_thread_id"})
+
+#: The kinds whose groups are the dimensions of ``device_mesh()``, outermost first: megatron-core's
+#: default order read from its slowest dimension (pp) to its fastest (tp), so with that order the mesh
+#: is arange(world) reshaped.
+_MESH_KINDS: tuple[Kind, ...] = (PP, DP, CP, TP)
+#: The dimensions of ``device_mesh()``: its kinds' names.
+MESH_DIMS: tuple[str, ...] = tuple(kind.name for kind in _MESH_KINDS)
 #: The dimensions of ``fsdp_mesh()``, in the order FSDP2 reads a 2-D mesh (replicate, shard).
 FSDP_DIMS: tuple[str, str] = ("replicate", "shard")
 
@@ -150,11 +179,8 @@ def device_mesh(device_type: str | None = None) -> DeviceMesh:
         return mesh
     from torch.distributed.device_mesh import DeviceMesh
 
-    from parallel_state.megatron import accessors
-
     plan, rank = state.plan, state.rank
-    groups = {"pp": accessors.get_pipeline_model_parallel_group(), "dp": accessors.get_data_parallel_group(),
-              "cp": accessors.get_context_parallel_group(), "tp": accessors.get_tensor_model_parallel_group()}
+    groups = {d: state.groups[d] for d in MESH_DIMS}
     tensor = _mesh_tensor(plan)
     coords = plan.coords(rank)
     _check_lines("parallel_state.device_mesh()", tensor, rank, tuple(coords[d] for d in MESH_DIMS), MESH_DIMS,
@@ -166,23 +192,15 @@ def device_mesh(device_type: str | None = None) -> DeviceMesh:
     return mesh
 
 
-#: Kinds whose group may equal a needed FSDP group, with the accessor that returns it.
-_REUSABLE: tuple[tuple[str, str, dict[str, bool]], ...] = (
-    ("dp-cp", "get_data_parallel_group", {"with_context_parallel": True}),
-    ("dp", "get_data_parallel_group", {}),
-    ("cp", "get_context_parallel_group", {}),
-    ("tp", "get_tensor_model_parallel_group", {}),
-    ("pp", "get_pipeline_model_parallel_group", {}),
-)
+#: Kinds whose group may equal a needed FSDP group.
+_REUSABLE: tuple[Kind, ...] = (DP_CP, DP, CP, TP, PP)
 
 
 def _existing_group(state: Any, ranks: tuple[int, ...]) -> Any:
     """The live group holding exactly ``ranks`` in that order, or None."""
-    from parallel_state.megatron import accessors
-
-    for kind, getter, kwargs in _REUSABLE:
-        if state.plan.group_ranks(kind, state.rank) == ranks:
-            return getattr(accessors, getter)(**kwargs)
+    for kind in _REUSABLE:
+        if state.ranks(kind.name) == ranks:
+            return state.groups[kind.name]
     return None
 
 
@@ -230,7 +248,7 @@ def fsdp_mesh(shard_size: int | None = None, *, device_type: str | None = None) 
             "parallel_state.fsdp_mesh() builds its groups over the whole world; this topology was initialized "
             f"over ranks {list(plan.ranks)}: use device_mesh()['dp', 'cp'] there, or initialize without ranks="
         )
-    dpcp = plan.group_ranks("dp-cp", rank)
+    dpcp = plan.group_ranks(DP_CP.name, rank)
     n = len(dpcp)
     size = _shard_size(shard_size, n, plan)
     kind = _resolve_device_type(device_type)
@@ -259,10 +277,10 @@ def _fsdp_wanted(plan: Any, rank: int, size: int) -> dict[str, tuple[tuple[int, 
     The index is the same on every member (same dp-cp group, same block or column), which is
     what gives the members one counter name; the count depends on the plan and ``size`` only.
     """
-    dpcp = plan.group_ranks("dp-cp", rank)
+    dpcp = plan.group_ranks(DP_CP.name, rank)
     n = len(dpcp)
     block, column = divmod(dpcp.index(rank), size)
-    index = plan.group_index("dp-cp", rank)
+    index = plan.group_index(DP_CP.name, rank)
     return {
         "shard": (dpcp[block * size:(block + 1) * size], index * (n // size) + block, plan.world_size // size),
         "replicate": (dpcp[column::size], index * size + column, plan.world_size // n * size),
@@ -271,7 +289,7 @@ def _fsdp_wanted(plan: Any, rank: int, size: int) -> dict[str, tuple[tuple[int, 
 
 def _world_fsdp_groups(plan: Any, size: int, sort: str) -> Iterator[tuple[int, ...]]:
     """Every group of ``sort`` in the world, in index order (for the eager-NCCL path, where all ranks create all)."""
-    for dpcp in plan.groups("dp-cp"):
+    for dpcp in plan.groups(DP_CP.name):
         if sort == "shard":
             yield from (dpcp[b * size:(b + 1) * size] for b in range(len(dpcp) // size))
         else:
@@ -350,10 +368,8 @@ def _dead_mesh_class() -> Any:
         return _dead_class
     from torch.distributed.device_mesh import DeviceMesh
 
-    # What hash() and == read: the mesh may sit in torch's caches (DTensor's sharding
-    # propagation keys), which must still be able to compare it with live meshes.
-    allowed = frozenset({"__class__", "__dict__", "_hash", "_hash_key", "_flatten_rank_map", "_layout",
-                         "_device_type", "_mesh_dim_names", "_thread_id"})
+    # What hash() and == read (the module's docstring says why a dead mesh still answers them).
+    allowed = _IDENTITY | {"__class__", "__dict__"}
 
     class DeadDeviceMesh(DeviceMesh):
         """A mesh whose process groups destroy_model_parallel() freed."""
@@ -395,13 +411,13 @@ def _drop() -> None:
     doomed, _created[:] = list(_created), []
     dead = _dead_mesh_class()
     for mesh in meshes:
-        registry = mesh.__dict__.get("_pg_registry", {})
+        registry = mesh.__dict__.get(_REGISTRY, {})
         # Groups DeviceMesh created itself for this mesh (_flatten, _unflatten) sit in the root's
         # registry beside the borrowed ones; nobody else would ever free them.
         doomed.extend(pg for name, pg in registry.items()
                       if name not in _borrowed_names and name != default_name and pg not in doomed)
         registry.clear()  # the freed groups must not stay reachable from a mesh someone kept
-        mesh.__dict__.get("_flatten_mapping", {}).clear()
+        mesh.__dict__.get(_FLATTENED, {}).clear()
         mesh.__class__ = dead
     meshes.clear()
     _borrowed_names.clear()

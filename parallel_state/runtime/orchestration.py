@@ -11,15 +11,16 @@ the master is one *round* on every rank of the default process group:
 2. the master broadcasts the call's arguments (``PayloadBus``, pickled); every worker takes part,
    even one with no handler for the signal, so nobody is left waiting;
 3. every rank runs the method with those arguments;
-4. every rank reports its outcome in one all-gather: a rank whose method raised is named, with
-   its exception, in the master's error (``DistributedOpError``; the workers report it and keep
-   serving), and a signal some worker has no handler for raises ``UnknownSignalError`` on every
-   rank, which ends every loop.
+4. every rank reports its outcome in one agreement round (``groups.consistency``, the project's
+   one way for ranks to compare values, through the default store): a rank whose method raised
+   is named, with its exception, in the master's error (``DistributedOpError``; the workers
+   report it and keep serving), and a signal some worker has no handler for raises
+   ``UnknownSignalError`` on every rank, which ends every loop.
 
-``send_exit`` ends the worker loops. Every step is a collective over the default group (or the
-``group`` passed, an extension) bounded by its timeout, so a dead or stuck rank becomes an
-error on the others, never a hang (an idle worker also waits at most that long for the next
-request: give the group a timeout that covers it).
+``send_exit`` ends the worker loops. Steps 1 and 2 are collectives over the default group (or the
+``group`` passed, an extension) and step 4 is a round among its ranks, each bounded by the group's
+timeout, so a dead or stuck rank becomes an error on the others, never a hang (an idle worker
+also waits at most that long for the next request: give the group a timeout that covers it).
 """
 
 from __future__ import annotations
@@ -235,6 +236,10 @@ class _Handler:
 # Where a worker is in the current round: its callback must reach invoke, which takes the payload
 # and reports; worker_loop finishes whatever part the callback did not, so the master never waits.
 _SIGNAL, _PAYLOAD, _DONE = "signal", "payload", "done"
+#: The agreement round each call ends with (its namespace in the store; a group's rounds are apart by its ranks).
+_ROUND = "parallel_state RankCoordinator outcome"
+#: A rank's outcome in that round: ok, or what went wrong and the message after the separator.
+_OK, _FAILED, _UNKNOWN, _SEP = "ok", "error", "unknown", ":"
 
 
 class RankCoordinator(Generic[_SignalT]):
@@ -301,22 +306,26 @@ class RankCoordinator(Generic[_SignalT]):
     def _report(self, what: str, error: BaseException | None, unknown: str | None = None) -> None:
         """Every rank's outcome of this round to every rank; raise what the outcomes call for."""
         self._stage = _DONE
-        rank, members = _rank(), _members(self.group)
-        outcome = None
+        rank, members = _rank(), sorted(_members(self.group))
         if unknown is not None:
-            outcome = ("unknown", unknown)
+            mine = f"{_UNKNOWN}{_SEP}{unknown}"
         elif error is not None:
-            outcome = ("error", f"{type(error).__name__}: {error}")
-        outcomes = [outcome]
+            mine = f"{_FAILED}{_SEP}{type(error).__name__}: {error}"
+        else:
+            mine = _OK
+        values = None
         if len(members) > 1:
-            import torch.distributed as dist
+            from parallel_state.groups.consistency import values_if_different
+            from parallel_state.groups.process_groups import group_timeout
 
-            outcomes = [None] * len(members)
             try:
-                dist.all_gather_object(outcomes, outcome, group=self.group)
-            except RuntimeError as exc:
+                values = values_if_different(_ROUND, mine, group_timeout(self.group),
+                                             None if self.group is None else members)
+            except ParallelStateError as exc:
                 raise _comm_failure(f"reporting the outcome of {what}", exc) from exc
-        unknown_on = [(members[i], o[1]) for i, o in enumerate(outcomes) if o is not None and o[0] == "unknown"]
+        # None: every rank's outcome is this one's.
+        outcomes = [tuple(v.split(_SEP, 1)) if v != _OK else None for v in values or [mine] * len(members)]
+        unknown_on = [(members[i], o[1]) for i, o in enumerate(outcomes) if o is not None and o[0] == _UNKNOWN]
         if unknown_on:
             raise UnknownSignalError(
                 f"signal {unknown_on[0][1]} has no handler on rank(s) {[r for r, _ in unknown_on]}: every worker "

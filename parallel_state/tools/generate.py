@@ -226,6 +226,22 @@ def _variable(key: str) -> str:
     return "_" + re.sub(r"[^A-Za-z0-9]", "_", key).upper()
 
 
+def key_source(key: str) -> str:
+    """The source of answer ``key`` as ``accessors.py`` writes it: its constant in ``answer_keys``, or its
+    kind's constant in ``kinds`` and its fact (``kinds.TP_DP.key(Fact.GROUP)``): made by ``key`` at import."""
+    from parallel_state.topology import answer_keys, kinds
+
+    for name, value in sorted(vars(answer_keys).items()):
+        if name.isupper() and isinstance(value, str) and value == key:
+            return f"answer_keys.{name}"
+    made = answer_keys.parts(key)
+    if made is not None:
+        for name, value in sorted(vars(kinds).items()):
+            if name.isupper() and isinstance(value, kinds.Kind) and value.name == made[0]:
+                return f"kinds.{name}.key(Fact.{made[1].name})"
+    raise ValueError(f"the answer {key!r} is no kind's fact and no constant of answer_keys")
+
+
 def accessors() -> list[str]:
     """Every accessor with a rule (``accessor_keys.RULES``), per release where its parameters differ."""
     from parallel_state.megatron.accessor_keys import RULES, Rule
@@ -285,9 +301,10 @@ def accessors() -> list[str]:
     defs: list[str] = []
     for name, rule in RULES.items():
         defs += ["", "", *by_release(lambda release, n=name, r=rule: render_one(n, r, release), "")]
-    head = ["#: Each global an accessor reads on its fast path, and the answer it holds (``_refresh`` sets them).",
-            "VARIABLES: dict[str, str] = {"]
-    head += [f"    {literal('variable', v)}: {literal('key', k)}," for v, k in variables.items()]
+    head = ["#: Each global an accessor reads on its fast path, and the key of the answer it holds (``_refresh``",
+            "#: sets them).",
+            "VARIABLES: dict[str, AnswerKey] = {"]
+    head += [f"    {literal('variable', v)}: {key_source(k)}," for v, k in variables.items()]
     return [*head, "}", *defs]
 
 

@@ -28,12 +28,36 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from parallel_state.errors import ParallelStateTypeError, ParallelStateValueError
+from parallel_state.topology.str_enum import StrEnum
 
 if TYPE_CHECKING:
     import torch
 
-#: The kinds of mask, in the order the constructors are documented.
-KINDS = ("full", "causal", "chunk_causal", "sliding_window", "packed", "token_window")
+
+class MaskKind(StrEnum):
+    """The kinds of mask, in the order the constructors are documented (``AttentionMask.kind``)."""
+
+    FULL = "full"
+    CAUSAL = "causal"
+    CHUNK_CAUSAL = "chunk_causal"
+    SLIDING_WINDOW = "sliding_window"
+    PACKED = "packed"
+    TOKEN_WINDOW = "token_window"
+
+    def __repr__(self) -> str:  # a mask's repr reads as the value it was built from: kind='causal'
+        return repr(self.value)
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The fields of ``AttentionMask`` a mask of this kind takes (the others stay None)."""
+        return _FIELDS[self]
+
+
+_FIELDS = {MaskKind.FULL: (), MaskKind.CAUSAL: (), MaskKind.CHUNK_CAUSAL: ("chunk",),
+           MaskKind.SLIDING_WINDOW: ("chunk", "window"), MaskKind.PACKED: ("lengths", "chunk"),
+           MaskKind.TOKEN_WINDOW: ("left", "right")}
+#: Every kind's name, for messages.
+KINDS = tuple(kind.value for kind in MaskKind)
 
 
 def as_int(what: str, name: str, value: Any) -> int:
@@ -57,12 +81,13 @@ def _positive_int(what: str, name: str, value: Any) -> int:
 class AttentionMask:
     """A sequence-wide attention mask stated by a few numbers; build it with the classmethods.
 
-    Equal by value and hashable. ``chunk`` is in tokens (e.g. tokens per frame x frames per chunk),
+    Equal by value and hashable. ``kind`` is a ``MaskKind`` (a name given as a string becomes its member, and
+    its ``fields`` say which of the others it takes). ``chunk`` is in tokens (e.g. tokens per frame x frames per chunk),
     ``window`` in chunks, ``lengths`` the packed segments' lengths in tokens, ``left`` / ``right`` a
     two-sided window's reach in tokens (None: unbounded).
     """
 
-    kind: str
+    kind: MaskKind
     chunk: int | None = None
     window: int | None = None
     lengths: tuple[int, ...] | None = None
@@ -70,21 +95,21 @@ class AttentionMask:
     right: int | None = None
 
     def __post_init__(self) -> None:
-        what = f"AttentionMask({self.kind!r})"
         if self.kind not in KINDS:
             raise ParallelStateValueError(f"AttentionMask: unknown kind {self.kind!r}; use one of {KINDS} "
                                           f"(build masks with AttentionMask.causal(), .chunk_causal(chunk), ...)")
-        takes = {"full": (), "causal": (), "chunk_causal": ("chunk",), "sliding_window": ("chunk", "window"),
-                 "packed": ("lengths", "chunk"), "token_window": ("left", "right")}[self.kind]
+        kind = MaskKind(self.kind)
+        object.__setattr__(self, "kind", kind)
+        what = f"AttentionMask({kind.value!r})"
         for name in ("chunk", "window", "lengths", "left", "right"):
-            if name not in takes and getattr(self, name) is not None:
-                raise ParallelStateValueError(f"{what}: a {self.kind} mask takes no {name}; got {name}="
+            if name not in kind.fields and getattr(self, name) is not None:
+                raise ParallelStateValueError(f"{what}: a {kind} mask takes no {name}; got {name}="
                                               f"{getattr(self, name)!r}")
-        if self.kind in ("chunk_causal", "sliding_window") or self.chunk is not None:
+        if kind in (MaskKind.CHUNK_CAUSAL, MaskKind.SLIDING_WINDOW) or self.chunk is not None:
             object.__setattr__(self, "chunk", _positive_int(what, "chunk", self.chunk))
-        if self.kind == "sliding_window":
+        if kind is MaskKind.SLIDING_WINDOW:
             object.__setattr__(self, "window", _positive_int(what, "window", self.window))
-        if self.kind == "packed":
+        if kind is MaskKind.PACKED:
             if isinstance(self.lengths, (str, bytes)) or not isinstance(self.lengths, Sequence):
                 raise ParallelStateTypeError(f"{what}: lengths must be a sequence of segment lengths (ints), "
                                              f"got {type(self.lengths).__name__} {self.lengths!r}")
@@ -93,7 +118,7 @@ class AttentionMask:
                                               f"into the sequence, e.g. packed([4680, 9360])")
             lengths = tuple(_positive_int(what, f"lengths[{i}]", n) for i, n in enumerate(self.lengths))
             object.__setattr__(self, "lengths", lengths)
-        if self.kind == "token_window":
+        if kind is MaskKind.TOKEN_WINDOW:
             for name in ("left", "right"):
                 value = getattr(self, name)
                 if value is not None:
@@ -112,22 +137,22 @@ class AttentionMask:
     @classmethod
     def full(cls) -> AttentionMask:
         """Every query attends to every key."""
-        return cls("full")
+        return cls(MaskKind.FULL)
 
     @classmethod
     def causal(cls) -> AttentionMask:
         """Query i attends to keys j <= i."""
-        return cls("causal")
+        return cls(MaskKind.CAUSAL)
 
     @classmethod
     def chunk_causal(cls, chunk: int) -> AttentionMask:
         """Query i attends to keys j with ``j // chunk <= i // chunk`` (its chunk and every earlier one)."""
-        return cls("chunk_causal", chunk=chunk)
+        return cls(MaskKind.CHUNK_CAUSAL, chunk=chunk)
 
     @classmethod
     def sliding_window(cls, chunk: int, window: int) -> AttentionMask:
         """Chunk-causal over the ``window`` most recent chunks, its own included: ``c(i) - window < c(j) <= c(i)``."""
-        return cls("sliding_window", chunk=chunk, window=window)
+        return cls(MaskKind.SLIDING_WINDOW, chunk=chunk, window=window)
 
     @classmethod
     def packed(cls, lengths: Sequence[int], chunk: int | None = None) -> AttentionMask:
@@ -136,7 +161,7 @@ class AttentionMask:
         Without ``chunk`` a query sees its whole segment; with it, chunk-causal inside the segment
         (chunks counted from the segment's start).
         """
-        return cls("packed", chunk=chunk, lengths=lengths)  # type: ignore[arg-type]  (__post_init__ makes it a tuple)
+        return cls(MaskKind.PACKED, chunk=chunk, lengths=lengths)  # type: ignore[arg-type]  (__post_init__ makes it a tuple)
 
     @classmethod
     def token_window(cls, left: int | None, right: int | None) -> AttentionMask:
@@ -149,7 +174,7 @@ class AttentionMask:
             return cls.full()
         if left is None and not isinstance(right, bool) and right == 0:
             return cls.causal()
-        return cls("token_window", left=left, right=right)
+        return cls(MaskKind.TOKEN_WINDOW, left=left, right=right)
 
     @classmethod
     def parse(cls, spec: str, frame_tokens: int | None = None) -> AttentionMask:
@@ -165,7 +190,7 @@ class AttentionMask:
         usage = ("use full, causal, chunk_causal:CHUNK, sliding_window:CHUNK,WINDOW, packed:L1+L2+..., "
                  "packed:L1+L2+...,CHUNK or token_window:LEFT,RIGHT (token counts, -1 unbounded for a window; a trailing f "
                  "means frames, e.g. chunk_causal:3f)")
-        kind, _, rest = spec.strip().partition(":")
+        name, _, rest = spec.strip().partition(":")
         args = [a.strip() for a in rest.split(",")] if rest.strip() else []
 
         def tokens(text: str, frames_ok: bool = True) -> int:
@@ -180,54 +205,55 @@ class AttentionMask:
             except ValueError:
                 raise ParallelStateValueError(f"mask {spec!r}: {text!r} is not an integer; {usage}") from None
 
-        want = {"full": 0, "causal": 0, "chunk_causal": 1, "sliding_window": 2}
-        if kind in want:
-            if len(args) != want[kind]:
-                raise ParallelStateValueError(f"mask {spec!r}: {kind} takes {want[kind]} value(s), got {len(args)}; "
-                                              f"{usage}")
-            if kind == "sliding_window":
+        kind = MaskKind(name) if name in KINDS else None
+        if kind in (MaskKind.FULL, MaskKind.CAUSAL, MaskKind.CHUNK_CAUSAL, MaskKind.SLIDING_WINDOW):
+            if len(args) != len(kind.fields):
+                raise ParallelStateValueError(f"mask {spec!r}: {kind} takes {len(kind.fields)} value(s), got "
+                                              f"{len(args)}; {usage}")
+            if kind is MaskKind.SLIDING_WINDOW:
                 return cls.sliding_window(tokens(args[0]), tokens(args[1], frames_ok=False))
             return cls(kind, *(tokens(a) for a in args))
-        if kind == "token_window" and len(args) == 2:
+        if kind is MaskKind.TOKEN_WINDOW and len(args) == 2:
             left, right = (None if a == "-1" else tokens(a) for a in args)
             return cls.token_window(left, right)
-        if kind == "packed" and len(args) in (1, 2):
+        if kind is MaskKind.PACKED and len(args) in (1, 2):
             lengths = [tokens(a.strip()) for a in args[0].split("+")]
             return cls.packed(lengths, tokens(args[1]) if len(args) == 2 else None)
         raise ParallelStateValueError(f"mask {spec!r}: {usage}")
 
     def __str__(self) -> str:
         """The text form ``parse`` reads back (token counts)."""
-        if self.kind == "chunk_causal":
+        if self.kind is MaskKind.CHUNK_CAUSAL:
             return f"chunk_causal:{self.chunk}"
-        if self.kind == "sliding_window":
+        if self.kind is MaskKind.SLIDING_WINDOW:
             return f"sliding_window:{self.chunk},{self.window}"
-        if self.kind == "packed":
+        if self.kind is MaskKind.PACKED:
             segs = "+".join(map(str, self.lengths or ()))
             return f"packed:{segs}" + ("" if self.chunk is None else f",{self.chunk}")
-        if self.kind == "token_window":
+        if self.kind is MaskKind.TOKEN_WINDOW:
             return f"token_window:{-1 if self.left is None else self.left},{-1 if self.right is None else self.right}"
-        return self.kind
+        return self.kind.value
 
     # ------------------------------------------------------------------ properties
 
     @property
     def is_causal_like(self) -> bool:
         """Whether no query sees a key after its own chunk (every kind but full and packed without chunk)."""
-        return self.kind in ("causal", "chunk_causal", "sliding_window") or (
-            self.kind == "packed" and self.chunk is not None) or (self.kind == "token_window" and self.right == 0)
+        kind = self.kind
+        return kind in (MaskKind.CAUSAL, MaskKind.CHUNK_CAUSAL, MaskKind.SLIDING_WINDOW) or (
+            kind is MaskKind.PACKED and self.chunk is not None) or (kind is MaskKind.TOKEN_WINDOW and self.right == 0)
 
     def describe(self) -> str:
         """A short phrase for reports."""
-        if self.kind == "full":
+        if self.kind is MaskKind.FULL:
             return "full attention"
-        if self.kind == "causal":
+        if self.kind is MaskKind.CAUSAL:
             return "token-causal"
-        if self.kind == "chunk_causal":
+        if self.kind is MaskKind.CHUNK_CAUSAL:
             return f"chunk-causal, chunks of {self.chunk} tokens"
-        if self.kind == "sliding_window":
+        if self.kind is MaskKind.SLIDING_WINDOW:
             return f"sliding window of {self.window} chunks of {self.chunk} tokens"
-        if self.kind == "token_window":
+        if self.kind is MaskKind.TOKEN_WINDOW:
             def side(n: int | None) -> str:
                 return "every" if n is None else str(n)
             return f"window of {side(self.left)} earlier and {side(self.right)} later tokens"
@@ -284,15 +310,15 @@ class AttentionMask:
 
         length = self.check_length(length)
         p = self._positions("key_range", "positions", positions, length)
-        if self.kind == "full":
+        if self.kind is MaskKind.FULL:
             return torch.zeros_like(p), torch.full_like(p, length)
-        if self.kind == "causal":
+        if self.kind is MaskKind.CAUSAL:
             return torch.zeros_like(p), p + 1
-        if self.kind == "token_window":
+        if self.kind is MaskKind.TOKEN_WINDOW:
             lo = torch.zeros_like(p) if self.left is None else torch.clamp(p - self.left, min=0)
             hi = torch.full_like(p, length) if self.right is None else torch.clamp(p + self.right + 1, max=length)
             return lo, hi
-        if self.kind == "packed":
+        if self.kind is MaskKind.PACKED:
             bounds = torch.tensor(self.segment_bounds(length), dtype=torch.int64, device=p.device)
             seg = torch.searchsorted(bounds[1:], p, right=True)
             start, end = bounds[seg], bounds[seg + 1]
@@ -304,7 +330,7 @@ class AttentionMask:
         assert chunk is not None
         c = p // chunk
         hi = torch.clamp((c + 1) * chunk, max=length)
-        if self.kind == "chunk_causal":
+        if self.kind is MaskKind.CHUNK_CAUSAL:
             return torch.zeros_like(p), hi
         assert self.window is not None
         return torch.clamp((c - self.window + 1) * chunk, min=0), hi
@@ -327,7 +353,7 @@ class AttentionMask:
         import torch
 
         length = self.check_length(length)
-        if self.kind != "packed":
+        if self.kind is not MaskKind.PACKED:
             lo, hi = self.key_range(torch.arange(length, dtype=torch.int64), length)
             return hi - lo
         # Segment by segment, as the unpacked kind of each: no per-position segment lookup.
@@ -339,4 +365,4 @@ class AttentionMask:
         return int(self.widths(length).sum())
 
 
-__all__ = ["KINDS", "AttentionMask"]
+__all__ = ["KINDS", "AttentionMask", "MaskKind"]

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from parallel_state.errors import ParallelStateTypeError, ParallelStateValueError
-from parallel_state.topology.attention_mask import AttentionMask, as_int
+from parallel_state.topology.attention_mask import AttentionMask, MaskKind, as_int
 from parallel_state.topology.dispatch_cost import TRANSPORTS, AttentionShape, Candidate, CostRates, checked, predict
 from parallel_state.topology.shards import shard_sizes
 
@@ -239,7 +239,7 @@ def plan_dispatch(mask: AttentionMask, length: int, cp_size: int, *, method: str
     if transport is not None and transport not in TRANSPORTS:
         raise ParallelStateValueError(f"{what}: transport={transport!r} is not one of {TRANSPORTS} (or None: "
                                       f"the cost model's choice under method='auto', else 'p2p')")
-    if method == "clips" and (mask.kind != "packed" or len(mask.lengths or ()) < 2):
+    if method == "clips" and (mask.kind is not MaskKind.PACKED or len(mask.lengths or ()) < 2):
         raise ParallelStateValueError(f"{what}: method='clips' keeps packed clips whole, but the mask {mask} has "
                                       f"no two clips; use method='auto', 'balanced' or 'contiguous'")
     rates, shape = checked(what, rates, shape)
@@ -315,7 +315,7 @@ def _layouts(mask: AttentionMask, length: int, cp_size: int) -> dict[str, tuple[
         if max(work(zigzag)) < max(balanced[1]):  # the contiguous split wins ties: one run per rank
             balanced = (zigzag, work(zigzag))
     out["balanced"] = balanced
-    if mask.kind == "packed" and len(mask.lengths or ()) > 1 and cp_size > 1:
+    if mask.kind is MaskKind.PACKED and len(mask.lengths or ()) > 1 and cp_size > 1:
         clips = _clips(mask, length, cp_size, prefix)
         out["clips"] = (clips, work(clips))
     return out
@@ -495,7 +495,7 @@ def _pieces(mask: AttentionMask, length: int, cp_size: int, prefix: torch.Tensor
     bounds = mask.segment_bounds(length)
     pieces = []
     for seg_start, seg_end in zip(bounds[:-1], bounds[1:], strict=True):
-        if mask.kind in ("full", "packed") and mask.chunk is None:
+        if mask.kind in (MaskKind.FULL, MaskKind.PACKED) and mask.chunk is None:
             step = seg_end - seg_start  # one key count throughout the segment
         else:
             chunk = mask.chunk or 1

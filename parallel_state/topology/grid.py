@@ -13,12 +13,42 @@ from typing import Iterator
 
 from parallel_state.errors import ParallelStateError, ParallelStateTypeError
 from parallel_state.topology.arguments import is_int, positive_int
+from parallel_state.topology.str_enum import StrEnum
 
-#: Megatron's dimension tokens and its default order. ``gtp_remat`` (megatron-core 0.19's generalized
-#: tensor parallelism) takes part in a layout only where an order names it: ``TopologyPlan`` inserts it
-#: where megatron-core 0.19 does when its size exceeds 1, and a dimension of size 1 changes no group.
-DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp", "gtp_remat")
+
+class Dim(StrEnum):
+    """A dimension of a rank layout, by megatron-core's token for it (its order strings name them).
+
+    ``GTP_REMAT`` (megatron-core 0.19's generalized tensor parallelism) takes part in a layout only
+    where an order names it: ``TopologyPlan`` inserts it where megatron-core 0.19 does when its size
+    exceeds 1, and a dimension of size 1 changes no group.
+    """
+
+    TP = "tp"
+    CP = "cp"
+    EP = "ep"
+    DP = "dp"
+    PP = "pp"
+    GTP_REMAT = "gtp_remat"
+
+
+#: Megatron's dimension tokens (``Dim``'s values, as plain strings for messages) and its default order.
+DIMS: tuple[str, ...] = tuple(d.value for d in Dim)
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+#: A group kind of a layout: its dimensions (a kind row's), or megatron-core's '-'-joined tokens ('tp-cp').
+KindDims = str | tuple[Dim, ...]
+
+
+def parse_dims(kind: str) -> tuple[Dim, ...]:
+    """The dimensions of a group kind written as megatron-core writes one (``'tp-cp'``): its tokens, each once."""
+    if not isinstance(kind, str):
+        raise ParallelStateTypeError(f"a group kind is a str such as 'tp-cp', got {kind!r}")
+    wanted = kind.split("-")
+    if any(t not in DIMS for t in wanted) or len(set(wanted)) != len(wanted):
+        raise ParallelStateError(
+            f"unknown group kind {kind!r}; name each dimension once, with tokens from {list(DIMS)}, e.g. 'tp-cp'"
+        )
+    return tuple(Dim(t) for t in wanted)
 
 
 def normalize_order(order: str, sizes: dict[str, int]) -> tuple[str, ...]:
@@ -127,14 +157,9 @@ class Grid:
             raise ParallelStateError(f"unknown dimension {dim!r}; use one of {list(DIMS)}")
         return getattr(self, dim)
 
-    def _kind_dims(self, kind: str) -> list[str]:
-        if not isinstance(kind, str):
-            raise ParallelStateTypeError(f"a group kind is a str such as 'tp-cp', got {kind!r}")
-        wanted = kind.split("-")
-        if any(t not in DIMS for t in wanted) or len(set(wanted)) != len(wanted):
-            raise ParallelStateError(
-                f"unknown group kind {kind!r}; name each dimension once, with tokens from {list(DIMS)}, e.g. 'tp-cp'"
-            )
+    def _kind_dims(self, kind: KindDims) -> list[str]:
+        # A kind row's dimensions are Dims already (checked when the row was made); a str is parsed.
+        wanted = kind if isinstance(kind, tuple) else parse_dims(kind)
         # Group members are enumerated with the dimensions in layout order.
         return [d for d in self.dims if d in wanted]
 
@@ -149,15 +174,15 @@ class Grid:
         self._check_rank(rank)
         return {d: (rank // self._stride[d]) % self.size(d) for d in self.dims}
 
-    def group_size(self, kind: str) -> int:
+    def group_size(self, kind: KindDims) -> int:
         """Number of ranks in each group of ``kind``."""
         return math.prod(self.size(d) for d in self._kind_dims(kind))
 
-    def num_groups(self, kind: str) -> int:
+    def num_groups(self, kind: KindDims) -> int:
         """Number of groups of ``kind`` in the world."""
         return self.world_size // self.group_size(kind)
 
-    def group_ranks(self, kind: str, rank: int) -> tuple[int, ...]:
+    def group_ranks(self, kind: KindDims, rank: int) -> tuple[int, ...]:
         """Global ranks of the group of ``kind`` that holds ``rank``, in Megatron's order."""
         kdims = self._kind_dims(kind)
         coords = self.coords(rank)
@@ -169,7 +194,7 @@ class Grid:
             members = [m + i * step for i in range(self.size(d)) for m in members]
         return tuple(members)
 
-    def group_rank(self, kind: str, rank: int) -> int:
+    def group_rank(self, kind: KindDims, rank: int) -> int:
         """Index of ``rank`` inside its group of ``kind``."""
         coords, index, acc = self.coords(rank), 0, 1
         for d in self._kind_dims(kind):
@@ -177,7 +202,7 @@ class Grid:
             acc *= self.size(d)
         return index
 
-    def group_index(self, kind: str, rank: int) -> int:
+    def group_index(self, kind: KindDims, rank: int) -> int:
         """Index of ``rank``'s group among all groups of ``kind`` (Megatron's enumeration order)."""
         kdims = set(self._kind_dims(kind))
         coords, index, acc = self.coords(rank), 0, 1
@@ -187,7 +212,7 @@ class Grid:
                 acc *= self.size(d)
         return index
 
-    def groups(self, kind: str) -> Iterator[tuple[int, ...]]:
+    def groups(self, kind: KindDims) -> Iterator[tuple[int, ...]]:
         """Every group of ``kind`` in the world, in Megatron's order (O(world size))."""
         kdims = set(self._kind_dims(kind))
         outer = [d for d in self.dims if d not in kdims]
@@ -198,11 +223,11 @@ class Grid:
         for b in bases:
             yield self.group_ranks(kind, b)
 
-    def same_group(self, kind_a: str, kind_b: str) -> bool:
+    def same_group(self, kind_a: KindDims, kind_b: KindDims) -> bool:
         """Whether every rank's group of ``kind_a`` equals its group of ``kind_b``."""
         return self.signature(kind_a) == self.signature(kind_b)
 
-    def signature(self, kind: str) -> tuple[tuple[int, int], ...]:
+    def signature(self, kind: KindDims) -> tuple[tuple[int, int], ...]:
         """The groups of ``kind`` as (stride, size) runs: equal signatures mean equal groups, across grids too.
 
         A group holds ``base + sum(i * stride)``; dimensions of size 1 add nothing and adjacent

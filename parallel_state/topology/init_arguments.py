@@ -34,6 +34,7 @@ from parallel_state.errors import (
 from parallel_state.topology import arguments as a
 from parallel_state.topology import releases, validation
 from parallel_state.topology.grid import normalize_order
+from parallel_state.topology.kinds import DP_CP, EDP_INTER
 from parallel_state.topology.plan import TopologyPlan
 from parallel_state.topology.sizes import PARAMETERS, Sizes
 
@@ -306,4 +307,4 @@ class InitArguments:
         """The kind whose NCCL communicator SHARP is enabled for (megatron-core: dp x cp, or the replica group)."""
         if not self.use_sharp:
             return None
-        return "edp-inter" if self.sharp_enabled_group == "dp_replica" else "dp-cp"
+        return EDP_INTER.name if self.sharp_enabled_group == "dp_replica" else DP_CP.name

@@ -4,7 +4,8 @@ Design. A kind's shape is its class, and the shape answers the layout questions 
 ``rank``, ``size``, ``count``, ``index``, ``groups``, ``signature``) for a plan, so the plan
 dispatches by method, never by type:
 
-- :class:`GridKind`: a set of dimensions of the decoder or the expert grid (``tp``, ``dp-cp``, ``edp``);
+- :class:`GridKind`: a set of dimensions (:class:`~parallel_state.topology.grid.Dim`) of the decoder or the
+  expert grid (``tp``, ``dp-cp``, ``edp``);
 - :class:`SplitKind`: one level of a mixed-radix split of another kind's groups (the hierarchical
   context-parallel levels; :class:`InstanceSplit`: one distributed-optimizer instance's part);
 - :class:`BlockKind`: contiguous blocks of another kind's groups (hybrid context parallelism);
@@ -15,10 +16,16 @@ Every row also carries the facts the layers above read, once: megatron-core's gl
 twin's, the NCCL config section, the ``group_desc``, the kinds it may share a group with, how
 messages name it, whether its answers keep its ranks (and megatron-core's global holding them),
 when megatron-core reports 0 for it, its ``ProcessGroupCollection`` field with the releases that
-have it, and what to do when it was not built. A numbered kind (a hierarchical cp level, a hybrid
-block size) is a row made by its :class:`Family` with the number as a field; its name is made from
-the number and never read back. :data:`ROWS` lists the rows in megatron-core's creation order;
-``Kind.bind`` gives a plan its rows (present or not, the plan's numbers filled in).
+have it, and what to do when it was not built. A row is written by keyword, and states only what
+follows no rule: megatron-core names a kind's global ``_<group_desc>``, its gloo twin's global and
+``group_desc`` with ``_GLOO`` appended, and its global-ranks global with ``_GROUP`` read as
+``_GLOBAL_RANKS``; :class:`Kind` derives those where a row leaves them out (:data:`BY_RULE`). So a
+new kind is one keyword row of :data:`ROWS`, which also names it for the code above
+(``kinds.TP``), whose answer keys it makes (``TP.key(Fact.RANK)``). A numbered kind (a
+hierarchical cp level, a hybrid block size) is a row made by its :class:`Family` with the number as
+a field; its name is made from the number and never read back. :data:`ROWS` lists the rows in
+megatron-core's creation order; ``Kind.bind`` gives a plan its rows (present or not, the plan's
+numbers filled in).
 """
 
 from __future__ import annotations
@@ -26,10 +33,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Final, Iterator, NamedTuple
 
 from parallel_state.errors import ParallelStateError
-from parallel_state.topology.grid import Grid
+from parallel_state.topology.answer_keys import AnswerKey, Fact, key
+from parallel_state.topology.grid import Dim, Grid
+from parallel_state.topology.str_enum import StrEnum
 
 if TYPE_CHECKING:  # plan.py imports this module: the plan is named here for annotations only
     from parallel_state.topology.plan import TopologyPlan
@@ -44,23 +53,51 @@ class Field(NamedTuple):
     since: str = "0.16"
 
 
+class Layout(StrEnum):
+    """The rank layout a grid kind's dimensions belong to."""
+
+    DECODER = "decoder"
+    EXPERT = "expert"
+
+
+class Pick(StrEnum):
+    """The stages a picked kind takes from each pipeline: megatron-core's ``get_<value>_ranks`` picks them."""
+
+    EMBEDDING = "embedding"
+    POSITION_EMBEDDING = "position_embedding"
+
+
+class Zero(StrEnum):
+    """When megatron-core reports a kind's rank and size as 0 without its group."""
+
+    #: While torch.distributed is not initialized.
+    WITHOUT_DIST = "dist"
+    #: Whenever its group is not built (megatron-core 0.19's gtp_remat kinds).
+    WITHOUT_GROUPS = "groups"
+
+
+#: The default of a name a row may leave to megatron-core's naming rule (see the field).
+BY_RULE: Final = "<by rule>"
+
+
 @dataclass(frozen=True)
 class Kind:
     """One group kind: its name, the facts its group carries, and (in a subclass) its ranks rule."""
 
     name: str
-    #: megatron-core's module global holding this rank's group ("" where it has none of its own).
-    megatron: str = ""
-    #: The section of megatron-core's NCCL communicator config (and high_priority_stream_groups) for it.
-    nccl: str = ""
-    #: The group's description (``group_desc``): how NCCL's flight recorder and torch's logs name it.
-    label: str = ""
     #: How messages name it ("the <title> group").
     title: str = ""
-    #: megatron-core's global for the gloo twin, where megatron-core builds one with create_gloo_process_groups.
-    gloo: str | None = None
-    #: The gloo twin's ``group_desc``.
-    gloo_label: str = ""
+    #: The group's description (``group_desc``): how NCCL's flight recorder and torch's logs name it.
+    label: str = ""
+    #: The section of megatron-core's NCCL communicator config (and high_priority_stream_groups) for it.
+    nccl: str = ""
+    #: megatron-core's module global holding this rank's group: by rule ``_<label>``; None where it has none of its own.
+    megatron: str | None = BY_RULE
+    #: Whether megatron-core builds a gloo twin of it (with create_gloo_process_groups), held in the global
+    #: ``<megatron>_GLOO`` (:attr:`gloo_global`).
+    gloo: bool = False
+    #: The gloo twin's ``group_desc``: by rule ``<label>_GLOO``.
+    gloo_label: str | None = BY_RULE
     #: The kinds whose group object this kind reuses, the first the plan gives the same ranks, as
     #: megatron-core does: the intra-instance data-parallel groups with one optimizer instance, and
     #: megatron-core 0.19's full data-parallel groups (spanning gtp_remat) where gtp_remat is 1.
@@ -68,11 +105,11 @@ class Kind:
     #: Whether the answers keep its global ranks (an accessor or a global returns them; other
     #: kinds' groups can hold thousands of ranks nobody reads).
     with_ranks: bool = False
-    #: megatron-core's global holding those ranks ("" where none does).
-    ranks_global: str = ""
-    #: When megatron-core reports its rank and size as 0 without groups: "dist" (while torch.distributed
-    #: is not initialized), "groups" (megatron-core 0.19: whenever its group is not built), None (never).
-    zero_without: str | None = None
+    #: megatron-core's global holding those ranks: by rule :attr:`megatron` with ``_GROUP`` read as
+    #: ``_GLOBAL_RANKS``; None where none does.
+    ranks_global: str | None = BY_RULE
+    #: When megatron-core reports its rank and size as 0 without groups (None: never).
+    zero_without: Zero | None = None
     #: Its ProcessGroupCollection field, if it has one.
     field: Field | None = None
     #: A group of its own even where another kind has the same ranks (megatron-core's all-gather groups).
@@ -88,9 +125,9 @@ class Kind:
     number: int = 0
     # The shape's parameters, each read by its own shape only: the kinds are one dataclass, since a
     # dataclass per shape made importing this module cost 15 ms more (its generated methods).
-    #: GridKind: the grid ("decoder" or "expert") and its dimensions ('-'-joined tokens).
-    grid: str = "decoder"
-    dims: str = ""
+    #: GridKind: the layout and its dimensions.
+    layout: Layout = Layout.DECODER
+    dims: tuple[Dim, ...] = ()
     #: Parts of another kind's groups (SplitKind, BlockKind): that kind.
     base: str = ""
     #: SplitKind: the radices of the split (first fastest) and the level this kind is.
@@ -98,23 +135,54 @@ class Kind:
     level: int = 0
     #: BlockKind: the block size.
     block: int = 0
-    #: PickKind: "embedding" or "position_embedding".
-    which: str = ""
+    #: PickKind: the stages it picks.
+    which: Pick | None = None
     #: InstanceKind: the expert tp x ep x pp groups one instance holds.
     runs: int = 0
     #: Family: the members' NCCL section and group_desc template (``{number}``: the member's number).
     member_nccl: str = ""
     member_label: str = ""
+    #: megatron-core's global holding the gloo twin (``<megatron>_GLOO``; None without a twin). Derived.
+    gloo_global: str | None = dataclasses.field(init=False, default=None)
 
     #: Whether every rank is in one of its groups (a picked kind can leave a rank out).
     everyone = True
     #: Whether a group lists its ranks ascending, so that a rank's position in it is its torch rank.
     ascending = False
 
+    def __post_init__(self) -> None:
+        # The names megatron-core derives from a kind's group_desc, where the row left them to the rule.
+        megatron = self.megatron
+        if megatron == BY_RULE:
+            megatron = f"_{self.label}" if self.label else None
+        gloo_label = self.gloo_label
+        if gloo_label == BY_RULE:
+            gloo_label = f"{self.label}_GLOO" if self.gloo else None
+        ranks_global = self.ranks_global
+        if ranks_global == BY_RULE:
+            ranks_global = megatron.replace("_GROUP", "_GLOBAL_RANKS", 1) if self.with_ranks and megatron else None
+        for name, value in (("megatron", megatron), ("gloo_label", gloo_label), ("ranks_global", ranks_global),
+                            ("gloo_global", f"{megatron}_GLOO" if self.gloo and megatron else None)):
+            object.__setattr__(self, name, value)
+        # A wrong type here is a typo in a row: an error where the row is written, not where it is read.
+        if not all(isinstance(d, Dim) for d in self.dims):
+            raise TypeError(f"kind {self.name!r}: dims are Dims (Dim.TP, ...), got {self.dims!r}")
+        for name, value, cls in (("zero_without", self.zero_without, Zero), ("which", self.which, Pick)):
+            if value is not None and not isinstance(value, cls):
+                raise TypeError(f"kind {self.name!r}: {name} is a {cls.__name__} or None, got {value!r}")
+        if not isinstance(self.layout, Layout):
+            raise TypeError(f"kind {self.name!r}: layout is a Layout, got {self.layout!r}")
+        if self.gloo and not (megatron and gloo_label):
+            raise TypeError(f"kind {self.name!r}: a gloo twin needs megatron-core's global and group_desc")
+
+    def key(self, fact: Fact) -> AnswerKey:
+        """The answer key of ``fact`` about this kind (``TP.key(Fact.RANK)``)."""
+        return key(self.name, fact)
+
     @property
-    def answer(self) -> str:
+    def answer(self) -> AnswerKey:
         """The answer key holding this rank's group (what megatron-core's global holds)."""
-        return f"{self.name}.group"
+        return self.key(Fact.GROUP)
 
     @property
     def optional(self) -> bool:
@@ -167,7 +235,7 @@ class Kind:
 
 
 class GridKind(Kind):
-    """The groups of ``dims`` (a '-'-joined set of tokens) in the decoder or the expert grid."""
+    """The groups of ``dims`` (a set of dimensions) in the decoder or the expert grid (``layout``)."""
 
     ascending = True
 
@@ -175,42 +243,42 @@ class GridKind(Kind):
         # Where the expert layout is the decoder's (no expert parallelism, an order megatron-core
         # refuses), the expert data-parallel groups take the context-parallel ranks in too.
         for kind in super().bind(plan):
-            dims = self.dims.split("-")
-            if self.grid == "expert" and plan.expert is plan.decoder and "dp" in dims and "cp" not in dims:
-                kind = dataclasses.replace(self, dims=f"{self.dims}-cp")
+            if (self.layout is Layout.EXPERT and plan.expert is plan.decoder and Dim.DP in self.dims
+                    and Dim.CP not in self.dims):
+                kind = dataclasses.replace(self, dims=(*self.dims, Dim.CP))
             yield kind
 
-    def _layout(self, plan: TopologyPlan) -> Grid:
-        return plan.decoder if self.grid == "decoder" else plan.expert
+    def _grid(self, plan: TopologyPlan) -> Grid:
+        return plan.decoder if self.layout is Layout.DECODER else plan.expert
 
     def expert(self, plan: TopologyPlan) -> bool:
-        return self.grid == "expert"
+        return self.layout is Layout.EXPERT
 
     def ranks(self, plan: TopologyPlan, rank: int) -> tuple[int, ...]:
-        return plan._global(self._layout(plan).group_ranks(self.dims, plan._pos(rank)))
+        return plan._global(self._grid(plan).group_ranks(self.dims, plan._pos(rank)))
 
     def position(self, plan: TopologyPlan, rank: int, members: tuple[int, ...] | None = None) -> int:
-        return self._layout(plan).group_rank(self.dims, plan._pos(rank))
+        return self._grid(plan).group_rank(self.dims, plan._pos(rank))
 
     def rank(self, plan: TopologyPlan, rank: int, members: tuple[int, ...] | None = None) -> int:
         # Positions keep the global ranks' order, so the layout's index is torch's.
         return self.position(plan, rank)
 
     def size(self, plan: TopologyPlan, rank: int = 0) -> int:
-        return self._layout(plan).group_size(self.dims)
+        return self._grid(plan).group_size(self.dims)
 
     def count(self, plan: TopologyPlan) -> int:
-        return self._layout(plan).num_groups(self.dims)
+        return self._grid(plan).num_groups(self.dims)
 
     def index(self, plan: TopologyPlan, rank: int) -> int:
-        return self._layout(plan).group_index(self.dims, plan._pos(rank))
+        return self._grid(plan).group_index(self.dims, plan._pos(rank))
 
     def groups(self, plan: TopologyPlan) -> Iterator[tuple[int, ...]]:
-        for positions in self._layout(plan).groups(self.dims):
+        for positions in self._grid(plan).groups(self.dims):
             yield plan._global(positions)
 
     def signature(self, plan: TopologyPlan) -> Any:
-        return ("separate", self.name) if self.separate else self._layout(plan).signature(self.dims)
+        return ("separate", self.name) if self.separate else self._grid(plan).signature(self.dims)
 
 
 class _PartKind(Kind):
@@ -312,29 +380,34 @@ class BlockKind(_PartKind):
 
 
 class PickKind(Kind):
-    """The ranks a callable picks from each pipeline group (``which``: "embedding" or "position_embedding")."""
+    """The ranks a callable picks from each pipeline group (``which``)."""
 
     everyone = False
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.which is None:
+            raise TypeError(f"kind {self.name!r}: a picked kind says which stages it picks (which=Pick....)")
+
     def ranks(self, plan: TopologyPlan, rank: int) -> tuple[int, ...]:
-        picked = plan.picked(self.which, plan.group_ranks("pp", rank))
+        picked = plan.picked(self.which, plan.group_ranks(PP.name, rank))
         return picked if rank in picked else ()
 
     def count(self, plan: TopologyPlan) -> int:
-        return plan.num_groups("pp")
+        return plan.num_groups(PP.name)
 
     def index(self, plan: TopologyPlan, rank: int) -> int:
-        return plan.group_index("pp", rank)
+        return plan.group_index(PP.name, rank)
 
     def groups(self, plan: TopologyPlan) -> Iterator[tuple[int, ...]]:
-        for pp_ranks in plan.groups("pp"):
+        for pp_ranks in plan.groups(PP.name):
             yield plan.picked(self.which, pp_ranks)
 
     def signature(self, plan: TopologyPlan) -> Any:
         # A pick is a non-empty subset of the pipeline: all of it with one stage, and
         # megatron-core's default embedding pick (first and last) is all of it up to two.
-        if plan.pp == 1 or (self.which == "embedding" and plan.embedding_ranks is None and plan.pp == 2):
-            return plan.signature("pp")
+        if plan.pp == 1 or (self.which is Pick.EMBEDDING and plan.embedding_ranks is None and plan.pp == 2):
+            return plan.signature(PP.name)
         return ("picked", self.which)
 
 
@@ -354,18 +427,18 @@ class InstanceKind(Kind):
         # whole tp x ep x pp group: an instance is the runs at positions [first, first + runs).
         if self.runs == plan.edp:
             return plan.all_ranks  # one instance: the whole world, without walking it
-        edp = plan.group_ranks("edp", rank)
+        edp = plan.group_ranks(EDP.name, rank)
         first = edp.index(rank) // self.runs * self.runs
-        return tuple(sorted(sum([plan.group_ranks("etp-ep-pp", q) for q in edp[first:first + self.runs]], ())))
+        return tuple(sorted(sum([plan.group_ranks(ETP_EP_PP.name, q) for q in edp[first:first + self.runs]], ())))
 
     def count(self, plan: TopologyPlan) -> int:
         return plan.edp // self.runs
 
     def index(self, plan: TopologyPlan, rank: int) -> int:
-        return plan.group_ranks("edp", rank).index(rank) // self.runs
+        return plan.group_ranks(EDP.name, rank).index(rank) // self.runs
 
     def groups(self, plan: TopologyPlan) -> Iterator[tuple[int, ...]]:
-        edp = plan.group_ranks("edp", plan.all_ranks[0])
+        edp = plan.group_ranks(EDP.name, plan.all_ranks[0])
         for first in range(0, plan.edp, self.runs):
             yield self.ranks(plan, edp[first])
 
@@ -378,8 +451,8 @@ class Family(Kind):
     not a kind of its own, the row its members are made from."""
 
     @property
-    def answer(self) -> str:
-        return f"{self.name}.groups"
+    def answer(self) -> AnswerKey:
+        return self.key(Fact.GROUPS)
 
     @property
     def optional(self) -> bool:
@@ -402,8 +475,9 @@ class Family(Kind):
         return dict(groups)
 
     def _facts(self, number: int) -> dict[str, Any]:
+        # A member's group is held in the family's global, none of its own.
         return dict(nccl=self.member_nccl, label=self.member_label.format(number=number), title=self.title,
-                    hint=self.hint, family=self.name, number=number)
+                    hint=self.hint, family=self.name, number=number, megatron=None)
 
 
 class Levels(Family):
@@ -413,7 +487,8 @@ class Levels(Family):
         return list(range(len(plan.hierarchical_cp or ())))
 
     def member(self, plan: TopologyPlan, number: int) -> Kind:
-        return SplitKind(f"cp-l{number}", base="cp", radices=plan.hierarchical_cp, level=number, **self._facts(number))
+        return SplitKind(name=f"{CP.name}-l{number}", base=CP.name, radices=plan.hierarchical_cp, level=number,
+                         **self._facts(number))
 
     def collect(self, groups: dict[int, Any]) -> Any:
         return [groups[level] for level in sorted(groups)] or None
@@ -426,7 +501,7 @@ class Blocks(Family):
         return hybrid_sizes(plan.dp * plan.cp) if plan.hybrid_cp else []
 
     def member(self, plan: TopologyPlan, number: int) -> Kind:
-        return BlockKind(f"dp-cp-hybrid{number}", base="dp-cp", block=number, **self._facts(number))
+        return BlockKind(name=f"{DP_CP.name}-hybrid{number}", base=DP_CP.name, block=number, **self._facts(number))
 
 
 def hybrid_sizes(n: int) -> list[int]:
@@ -435,117 +510,136 @@ def hybrid_sizes(n: int) -> list[int]:
     return [2 ** i for i in range(1, n.bit_length() - 1)]
 
 
-_DIST, _GROUPS = "dist", "groups"  # zero_without
-
-#: Every kind (and family of numbered kinds), in megatron-core's creation order. megatron-core 0.19
-#: builds the gtp_remat groups first; the model-parallel, tp x dp (x cp) groups span gtp_remat, the
-#: plain dp (x cp) ones replicate across it.
+#: Every kind (and family of numbered kinds), in megatron-core's creation order, each named for the code
+#: above (a row may refer only to the rows before it). megatron-core 0.19 builds the gtp_remat groups
+#: first; the model-parallel, tp x dp (x cp) groups span gtp_remat, the plain dp (x cp) ones replicate across it.
 ROWS: tuple[Kind, ...] = (
-    GridKind("gtp", "_GTP_WEIGHT_REMAT_GROUP", "gtp_remat", "GTP_WEIGHT_REMAT_GROUP",
-             "generalized tensor-parallel (gtp_remat)", with_ranks=True, ranks_global="_GTP_WEIGHT_REMAT_GLOBAL_RANKS",
-             zero_without=_GROUPS, field=Field("gtp_remat", 18, "0.19"), dims="gtp_remat"),
-    GridKind("dp-cp", "_DATA_PARALLEL_GROUP_WITH_CP", "dp_cp", "DATA_PARALLEL_GROUP_WITH_CP",
-             "data-parallel (with context parallel)", gloo="_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
-             gloo_label="DATA_PARALLEL_GROUP_WITH_CP_GLOO", with_ranks=True,
-             ranks_global="_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP", zero_without=_DIST, field=Field("dp_cp", 15),
-             dims="dp-cp"),
-    GridKind("dp", "_DATA_PARALLEL_GROUP", "dp", "DATA_PARALLEL_GROUP", "data-parallel", gloo="_DATA_PARALLEL_GROUP_GLOO",
-             gloo_label="DATA_PARALLEL_GROUP_GLOO",
-             with_ranks=True, ranks_global="_DATA_PARALLEL_GLOBAL_RANKS", zero_without=_DIST, field=Field("dp", 14),
-             dims="dp"),
-    GridKind("gtp-dp", "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT", "gtp_remat_dp", "DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
-             "data-parallel (with gtp_remat)", shares=("dp",), zero_without=_DIST, dims="gtp_remat-dp"),
-    GridKind("gtp-dp-cp", "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT", "gtp_remat_dp_cp",
-             "DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT", "data-parallel (with context parallel and gtp_remat)",
-             shares=("dp-cp",), zero_without=_DIST, field=Field("dp_cp_gtp_remat", 16, "0.19"), dims="gtp_remat-dp-cp"),
-    GridKind("cp", "_CONTEXT_PARALLEL_GROUP", "cp", "CONTEXT_PARALLEL_GROUP", "context-parallel", with_ranks=True,
-             ranks_global="_CONTEXT_PARALLEL_GLOBAL_RANKS", zero_without=_DIST, field=Field("cp", 5), dims="cp"),
-    GridKind("tp-pp", "_MODEL_PARALLEL_GROUP", "mp", "MODEL_PARALLEL_GROUP", "model-parallel (tp-pp)", with_ranks=True,
-             ranks_global="_MODEL_PARALLEL_GLOBAL_RANKS", field=Field("mp", 2), dims="tp-gtp_remat-pp"),
-    GridKind("tp", "_TENSOR_MODEL_PARALLEL_GROUP", "tp", "TENSOR_MODEL_PARALLEL_GROUP", "tensor-model-parallel",
-             with_ranks=True, ranks_global="_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS", field=Field("tp", 0), dims="tp"),
-    GridKind("pp", "_PIPELINE_MODEL_PARALLEL_GROUP", "pp", "PIPELINE_MODEL_PARALLEL_GROUP", "pipeline-model-parallel",
-             with_ranks=True, ranks_global="_PIPELINE_GLOBAL_RANKS", field=Field("pp", 1), dims="pp"),
-    GridKind("tp-dp-cp", "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP", "tp_dp_cp", "TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP",
-             "tensor-and-data-parallel (with context parallel)", field=Field("tp_dp_cp", 13), dims="tp-gtp_remat-dp-cp"),
-    GridKind("tp-dp", "_TENSOR_AND_DATA_PARALLEL_GROUP", "tp_dp", "TENSOR_AND_DATA_PARALLEL_GROUP",
-             "tensor-and-data-parallel", dims="tp-gtp_remat-dp"),
-    GridKind("tp-cp", "_TENSOR_AND_CONTEXT_PARALLEL_GROUP", "tp_cp", "TENSOR_AND_CONTEXT_PARALLEL_GROUP",
-             "tensor-and-context-parallel", with_ranks=True, zero_without=_DIST, field=Field("tp_cp", 6), dims="tp-cp"),
-    InstanceSplit("dp-cp-intra", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "intra_dp_cp",
-                  "INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "partial (one optimizer instance) data-parallel",
-                  gloo="_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
-                  gloo_label="INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO", shares=("dp-cp",), zero_without=_DIST,
-                  field=Field("intra_dp_cp", 23), base="dp-cp"),
-    # One instance whenever gtp_remat > 1: the split is the whole full group (never built: it shares).
-    InstanceSplit("gtp-dp-cp-intra", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT", "gtp_remat_dp_cp",
-                  "DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT", "partial data-parallel (with gtp_remat)",
-                  shares=("dp-cp-intra", "gtp-dp-cp"), zero_without=_DIST, base="gtp-dp-cp"),
-    GridKind("dp-cp-ag", "_DATA_PARALLEL_GROUP_WITH_CP_AG", "dp_cp", "DATA_PARALLEL_GROUP_WITH_CP_AG",
-             "separate all-gather data-parallel", field=Field("dp_cp_ag", 17, "0.18"), separate=True,
-             hint="call parallel_state.create_all_gather_groups() (megatron-core 0.18+) or initialize with "
-                  "create_all_gather_group=True (0.16, 0.17) to have the separate all-gather group",
-             when=lambda plan: plan.all_gather, dims="dp-cp"),
-    Levels("hcp", "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS", title="hierarchical context-parallel", field=Field("hcp", 7),
-           hint="initialize with hierarchical_context_parallel_sizes=[...] to have hierarchical context-parallel groups",
-           member_nccl="hcp", member_label="HIERARCHICAL_CONTEXT_PARALLEL_GROUP_L{number}"),
-    Blocks("hybrid", "_HYBRID_DP_CP_GROUPS", title="hybrid data-and-context-parallel", member_nccl="dp_cp",
-           member_label="HYBRID_DP_CP_GROUP_{number}", empty=dict),
-    PickKind("embd", "_EMBEDDING_GROUP", "embd", "EMBEDDING_GROUP", "embedding", with_ranks=True,
-             ranks_global="_EMBEDDING_GLOBAL_RANKS", field=Field("embd", 3),
-             hint="this rank holds no embedding (its pipeline stage is not one get_embedding_ranks picked)",
-             which="embedding"),
-    PickKind("pos-embd", "_POSITION_EMBEDDING_GROUP", "pos_embd", "POSITION_EMBEDDING_GROUP", "position-embedding",
-             with_ranks=True, ranks_global="_POSITION_EMBEDDING_GLOBAL_RANKS", field=Field("pos_embd", 4),
-             hint="this rank holds no position embedding (its stage is not one get_position_embedding_ranks picked)",
-             which="position_embedding"),
-    GridKind("egtp", "_EXPERT_GTP_WEIGHT_REMAT_GROUP", "expt_gtp_remat", "EXPERT_GTP_WEIGHT_REMAT_GROUP",
-             "expert generalized tensor-parallel (gtp_remat)", with_ranks=True,
-             ranks_global="_EXPERT_GTP_WEIGHT_REMAT_GLOBAL_RANKS", zero_without=_GROUPS,
-             field=Field("expt_gtp_remat", 19, "0.19"), grid="expert", dims="gtp_remat"),
-    GridKind("ep", "_EXPERT_MODEL_PARALLEL_GROUP", "ep", "EXPERT_MODEL_PARALLEL_GROUP", "expert-model-parallel",
-             with_ranks=True, ranks_global="_EXPERT_MODEL_PARALLEL_RANKS", zero_without=_DIST, field=Field("ep", 8),
-             grid="expert", dims="ep"),
-    GridKind("etp", "_EXPERT_TENSOR_PARALLEL_GROUP", "ep_tp", "EXPERT_TENSOR_PARALLEL_GROUP", "expert-tensor-parallel",
-             field=Field("expt_tp", 9), grid="expert", dims="tp"),
-    GridKind("etp-ep", "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP", "tp_ep_mp", "EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP",
-             "expert tensor-and-model-parallel", zero_without=_DIST, field=Field("tp_ep", 10), grid="expert",
-             dims="tp-ep"),
-    GridKind("etp-ep-pp", "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP", "tp_ep_pp",
-             "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP", "expert tensor-model-pipeline-parallel",
-             field=Field("tp_ep_pp", 11), grid="expert", dims="tp-ep-pp"),
-    GridKind("etp-ep-egtp-pp", "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP", "tp_ep_gtp_remat_pp",
-             "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP",
-             "expert tensor-model-pipeline-parallel (with expert gtp_remat)",
-             field=Field("tp_ep_pp_with_egtp_remat", 12, "0.19"), grid="expert", dims="tp-ep-gtp_remat-pp"),
-    GridKind("edp", "_EXPERT_DATA_PARALLEL_GROUP", "ep_dp", "EXPERT_DATA_PARALLEL_GROUP", "expert data-parallel",
-             gloo="_EXPERT_DATA_PARALLEL_GROUP_GLOO",
-             gloo_label="EXPERT_DATA_PARALLEL_GROUP_GLOO", zero_without=_DIST, field=Field("expt_dp", 20), grid="expert",
-             dims="dp"),
-    GridKind("egtp-edp", "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT", "ep_gtp_remat_dp",
-             "EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT", "expert data-parallel (with gtp_remat)", shares=("edp",),
-             zero_without=_DIST, field=Field("expt_dp_gtp_remat", 21, "0.19"), grid="expert", dims="gtp_remat-dp"),
-    InstanceSplit("edp-intra", "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP", "intra_ep_dp",
-                  "HIERARCHICAL_EXPERT_DATA_PARALLEL_GROUP_L0", "partial expert data-parallel",
-                  gloo="_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO",
-                  gloo_label="HIERARCHICAL_EXPERT_DATA_PARALLEL_GROUP_GLOO_L0", shares=("edp",), zero_without=_DIST,
-                  field=Field("intra_expt_dp", 24), base="edp"),
-    InstanceSplit("egtp-edp-intra", "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT", "ep_gtp_remat_dp",
-                  "EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT", "partial expert data-parallel (with gtp_remat)",
-                  shares=("edp-intra", "egtp-edp"), zero_without=_DIST, base="egtp-edp"),
-    GridKind("edp-ag", "", "ep_dp", "EXPERT_DATA_PARALLEL_GROUP_AG", "expert all-gather data-parallel",
-             field=Field("expt_dp_ag", 22, "0.18"), separate=True,
-             hint="call parallel_state.create_all_gather_groups(for_expert_parallelism=True) with "
-                  "expert_model_parallel_size > 1 to have the expert all-gather group",
-             when=lambda plan: plan.expert_all_gather and plan.ep > 1, grid="expert", dims="dp"),
-    InstanceSplit("edp-inter", "_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP", "inter_ep_dp",
-                  "HIERARCHICAL_EXPERT_DATA_PARALLEL_GROUP_L1", "inter distributed-optimizer-instance",
-                  field=Field("inter_dist_opt", 25),
-                  hint="initialize with num_distributed_optimizer_instances > 1 to have the inter-instance group",
-                  when=lambda plan: plan.dist_opt_instances > 1, base="edp", level=1),
-    InstanceKind("dist-opt", "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP", "intra_dist_opt_instance",
-                 "INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP", "intra distributed-optimizer-instance",
-                 field=Field("intra_dist_opt", 26)),
+    GTP := GridKind(
+        name="gtp", dims=(Dim.GTP_REMAT,), title="generalized tensor-parallel (gtp_remat)",
+        label="GTP_WEIGHT_REMAT_GROUP", nccl="gtp_remat", with_ranks=True, zero_without=Zero.WITHOUT_GROUPS,
+        field=Field("gtp_remat", 18, "0.19")),
+    DP_CP := GridKind(
+        name="dp-cp", dims=(Dim.DP, Dim.CP), title="data-parallel (with context parallel)",
+        label="DATA_PARALLEL_GROUP_WITH_CP", nccl="dp_cp", gloo=True, with_ranks=True, zero_without=Zero.WITHOUT_DIST,
+        field=Field("dp_cp", 15)),
+    DP := GridKind(
+        name="dp", dims=(Dim.DP,), title="data-parallel", label="DATA_PARALLEL_GROUP", nccl="dp", gloo=True,
+        with_ranks=True, zero_without=Zero.WITHOUT_DIST, field=Field("dp", 14)),
+    GTP_DP := GridKind(
+        name="gtp-dp", dims=(Dim.GTP_REMAT, Dim.DP), title="data-parallel (with gtp_remat)",
+        label="DATA_PARALLEL_GROUP_WITH_GTP_REMAT", nccl="gtp_remat_dp", shares=(DP.name,),
+        zero_without=Zero.WITHOUT_DIST),
+    GTP_DP_CP := GridKind(
+        name="gtp-dp-cp", dims=(Dim.GTP_REMAT, Dim.DP, Dim.CP), title="data-parallel (with context parallel and gtp_remat)",
+        label="DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT", nccl="gtp_remat_dp_cp", shares=(DP_CP.name,),
+        zero_without=Zero.WITHOUT_DIST, field=Field("dp_cp_gtp_remat", 16, "0.19")),
+    CP := GridKind(
+        name="cp", dims=(Dim.CP,), title="context-parallel", label="CONTEXT_PARALLEL_GROUP", nccl="cp", with_ranks=True,
+        zero_without=Zero.WITHOUT_DIST, field=Field("cp", 5)),
+    TP_PP := GridKind(
+        name="tp-pp", dims=(Dim.TP, Dim.GTP_REMAT, Dim.PP), title="model-parallel (tp-pp)", label="MODEL_PARALLEL_GROUP",
+        nccl="mp", with_ranks=True, field=Field("mp", 2)),
+    TP := GridKind(
+        name="tp", dims=(Dim.TP,), title="tensor-model-parallel", label="TENSOR_MODEL_PARALLEL_GROUP", nccl="tp",
+        with_ranks=True, field=Field("tp", 0)),
+    PP := GridKind(
+        name="pp", dims=(Dim.PP,), title="pipeline-model-parallel", label="PIPELINE_MODEL_PARALLEL_GROUP", nccl="pp",
+        with_ranks=True, ranks_global="_PIPELINE_GLOBAL_RANKS", field=Field("pp", 1)),
+    TP_DP_CP := GridKind(
+        name="tp-dp-cp", dims=(Dim.TP, Dim.GTP_REMAT, Dim.DP, Dim.CP),
+        title="tensor-and-data-parallel (with context parallel)", label="TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP",
+        nccl="tp_dp_cp", field=Field("tp_dp_cp", 13)),
+    TP_DP := GridKind(
+        name="tp-dp", dims=(Dim.TP, Dim.GTP_REMAT, Dim.DP), title="tensor-and-data-parallel",
+        label="TENSOR_AND_DATA_PARALLEL_GROUP", nccl="tp_dp"),
+    TP_CP := GridKind(
+        name="tp-cp", dims=(Dim.TP, Dim.CP), title="tensor-and-context-parallel", label="TENSOR_AND_CONTEXT_PARALLEL_GROUP",
+        nccl="tp_cp", with_ranks=True, ranks_global=None, zero_without=Zero.WITHOUT_DIST, field=Field("tp_cp", 6)),
+    DP_CP_INTRA := InstanceSplit(
+        name="dp-cp-intra", base=DP_CP.name, title="partial (one optimizer instance) data-parallel",
+        label="INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", nccl="intra_dp_cp", gloo=True, shares=(DP_CP.name,),
+        zero_without=Zero.WITHOUT_DIST, field=Field("intra_dp_cp", 23)),
+    # One instance whenever gtp_remat > 1: the split is the whole full group, whose group it takes (never built).
+    GTP_DP_CP_INTRA := InstanceSplit(
+        name="gtp-dp-cp-intra", base=GTP_DP_CP.name, title="partial data-parallel (with gtp_remat)",
+        label=GTP_DP_CP.label, nccl=GTP_DP_CP.nccl, megatron="_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT",
+        shares=(DP_CP_INTRA.name, GTP_DP_CP.name), zero_without=Zero.WITHOUT_DIST),
+    DP_CP_AG := GridKind(
+        name="dp-cp-ag", dims=(Dim.DP, Dim.CP), title="separate all-gather data-parallel",
+        label="DATA_PARALLEL_GROUP_WITH_CP_AG", nccl=DP_CP.nccl, separate=True, field=Field("dp_cp_ag", 17, "0.18"),
+        when=lambda plan: plan.all_gather,
+        hint="call parallel_state.create_all_gather_groups() (megatron-core 0.18+) or initialize with "
+             "create_all_gather_group=True (0.16, 0.17) to have the separate all-gather group"),
+    HCP := Levels(
+        name="hcp", title="hierarchical context-parallel", megatron="_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS",
+        member_nccl="hcp", member_label="HIERARCHICAL_CONTEXT_PARALLEL_GROUP_L{number}", field=Field("hcp", 7),
+        hint="initialize with hierarchical_context_parallel_sizes=[...] to have hierarchical context-parallel groups"),
+    HYBRID := Blocks(
+        name="hybrid", title="hybrid data-and-context-parallel", megatron="_HYBRID_DP_CP_GROUPS",
+        member_nccl=DP_CP.nccl, member_label="HYBRID_DP_CP_GROUP_{number}", empty=dict),
+    EMBD := PickKind(
+        name="embd", which=Pick.EMBEDDING, title="embedding", label="EMBEDDING_GROUP", nccl="embd", with_ranks=True,
+        field=Field("embd", 3),
+        hint="this rank holds no embedding (its pipeline stage is not one get_embedding_ranks picked)"),
+    POS_EMBD := PickKind(
+        name="pos-embd", which=Pick.POSITION_EMBEDDING, title="position-embedding", label="POSITION_EMBEDDING_GROUP",
+        nccl="pos_embd", with_ranks=True, field=Field("pos_embd", 4),
+        hint="this rank holds no position embedding (its stage is not one get_position_embedding_ranks picked)"),
+    EGTP := GridKind(
+        name="egtp", layout=Layout.EXPERT, dims=(Dim.GTP_REMAT,), title="expert generalized tensor-parallel (gtp_remat)",
+        label="EXPERT_GTP_WEIGHT_REMAT_GROUP", nccl="expt_gtp_remat", with_ranks=True, zero_without=Zero.WITHOUT_GROUPS,
+        field=Field("expt_gtp_remat", 19, "0.19")),
+    EP := GridKind(
+        name="ep", layout=Layout.EXPERT, dims=(Dim.EP,), title="expert-model-parallel", label="EXPERT_MODEL_PARALLEL_GROUP",
+        nccl="ep", with_ranks=True, ranks_global="_EXPERT_MODEL_PARALLEL_RANKS", zero_without=Zero.WITHOUT_DIST,
+        field=Field("ep", 8)),
+    ETP := GridKind(
+        name="etp", layout=Layout.EXPERT, dims=(Dim.TP,), title="expert-tensor-parallel",
+        label="EXPERT_TENSOR_PARALLEL_GROUP", nccl="ep_tp", field=Field("expt_tp", 9)),
+    ETP_EP := GridKind(
+        name="etp-ep", layout=Layout.EXPERT, dims=(Dim.TP, Dim.EP), title="expert tensor-and-model-parallel",
+        label="EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP", nccl="tp_ep_mp", zero_without=Zero.WITHOUT_DIST,
+        field=Field("tp_ep", 10)),
+    ETP_EP_PP := GridKind(
+        name="etp-ep-pp", layout=Layout.EXPERT, dims=(Dim.TP, Dim.EP, Dim.PP), title="expert tensor-model-pipeline-parallel",
+        label="EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP", nccl="tp_ep_pp", field=Field("tp_ep_pp", 11)),
+    ETP_EP_EGTP_PP := GridKind(
+        name="etp-ep-egtp-pp", layout=Layout.EXPERT, dims=(Dim.TP, Dim.EP, Dim.GTP_REMAT, Dim.PP),
+        title="expert tensor-model-pipeline-parallel (with expert gtp_remat)",
+        label="EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP", nccl="tp_ep_gtp_remat_pp",
+        field=Field("tp_ep_pp_with_egtp_remat", 12, "0.19")),
+    EDP := GridKind(
+        name="edp", layout=Layout.EXPERT, dims=(Dim.DP,), title="expert data-parallel", label="EXPERT_DATA_PARALLEL_GROUP",
+        nccl="ep_dp", gloo=True, zero_without=Zero.WITHOUT_DIST, field=Field("expt_dp", 20)),
+    EGTP_EDP := GridKind(
+        name="egtp-edp", layout=Layout.EXPERT, dims=(Dim.GTP_REMAT, Dim.DP), title="expert data-parallel (with gtp_remat)",
+        label="EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT", nccl="ep_gtp_remat_dp", shares=(EDP.name,),
+        zero_without=Zero.WITHOUT_DIST, field=Field("expt_dp_gtp_remat", 21, "0.19")),
+    EDP_INTRA := InstanceSplit(
+        name="edp-intra", base=EDP.name, title="partial expert data-parallel",
+        label="HIERARCHICAL_EXPERT_DATA_PARALLEL_GROUP_L0", nccl="intra_ep_dp",
+        megatron="_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP", gloo=True,
+        gloo_label="HIERARCHICAL_EXPERT_DATA_PARALLEL_GROUP_GLOO_L0", shares=(EDP.name,), zero_without=Zero.WITHOUT_DIST,
+        field=Field("intra_expt_dp", 24)),
+    EGTP_EDP_INTRA := InstanceSplit(
+        name="egtp-edp-intra", base=EGTP_EDP.name, title="partial expert data-parallel (with gtp_remat)",
+        label=EGTP_EDP.label, nccl=EGTP_EDP.nccl, megatron="_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
+        shares=(EDP_INTRA.name, EGTP_EDP.name), zero_without=Zero.WITHOUT_DIST),
+    EDP_AG := GridKind(
+        name="edp-ag", layout=Layout.EXPERT, dims=(Dim.DP,), title="expert all-gather data-parallel",
+        label="EXPERT_DATA_PARALLEL_GROUP_AG", nccl=EDP.nccl, megatron=None, separate=True,
+        field=Field("expt_dp_ag", 22, "0.18"), when=lambda plan: plan.expert_all_gather and plan.ep > 1,
+        hint="call parallel_state.create_all_gather_groups(for_expert_parallelism=True) with "
+             "expert_model_parallel_size > 1 to have the expert all-gather group"),
+    EDP_INTER := InstanceSplit(
+        name="edp-inter", base=EDP.name, level=1, title="inter distributed-optimizer-instance",
+        label="HIERARCHICAL_EXPERT_DATA_PARALLEL_GROUP_L1", nccl="inter_ep_dp",
+        megatron="_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP", field=Field("inter_dist_opt", 25),
+        when=lambda plan: plan.dist_opt_instances > 1,
+        hint="initialize with num_distributed_optimizer_instances > 1 to have the inter-instance group"),
+    DIST_OPT := InstanceKind(
+        name="dist-opt", title="intra distributed-optimizer-instance", label="INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP",
+        nccl="intra_dist_opt_instance", field=Field("intra_dist_opt", 26)),
 )
 
 #: Every row by name (the families' too; numbered kinds are a plan's: ``TopologyPlan.kinds``).

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 from parallel_state.errors import ParallelStateError, ParallelStateTypeError
 from parallel_state.topology import validation
 from parallel_state.topology.arguments import positive_int
-from parallel_state.topology.grid import DEFAULT_ORDER, DIMS, Grid, insert_gtp_remat, normalize_order  # noqa: F401
+from parallel_state.topology.grid import DEFAULT_ORDER, DIMS, Grid, insert_gtp_remat, normalize_order, parse_dims  # noqa: F401
 from parallel_state.topology.kinds import ROWS, GridKind, Kind, hybrid_sizes  # noqa: F401
 from parallel_state.topology.sizes import Sizes
 
@@ -148,10 +148,10 @@ class TopologyPlan(Sizes):
         if not isinstance(name, str):
             raise ParallelStateTypeError(f"a group kind is a str such as 'tp-cp', got {name!r}")
         try:
-            self.decoder.group_size(name)  # checks the tokens
+            dims = parse_dims(name)
         except ParallelStateError as exc:
             raise ParallelStateError(f"{exc}; or one of this plan's kinds {list(self.kinds)}") from None
-        return GridKind(name, dims=name)
+        return GridKind(name=name, dims=dims)
 
     def _pos(self, rank: int) -> int:
         """The plan position of global ``rank``."""

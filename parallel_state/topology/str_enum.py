@@ -1,0 +1,23 @@
+"""``StrEnum``: the base of every closed set of names in ``parallel_state`` (dimensions, answer facts, ...).
+
+A member is its name as a ``str`` (``Dim.TP == "tp"``, same hash), so it keys the dicts that
+plain names key and formats as the name; a misspelt member is an AttributeError where the
+module naming it is imported, not a KeyError when the name is first looked up. Python 3.11's
+``enum.StrEnum``; on 3.10 (which lacks it) the same behaviour on ``(str, Enum)``.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # pragma: no cover - Python 3.10
+    class StrEnum(str, Enum):
+        """A member is its value, a ``str``; ``str()`` and formatting give the value, as on Python 3.11."""
+
+        __str__ = str.__str__
+        __format__ = str.__format__
+
+__all__ = ["StrEnum"]
