@@ -41,6 +41,7 @@ def _flag_combinations(fn):
         yield dict(zip(flags, values, strict=True))
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the deprecated names warn on every call, as megatron-core's
 def test_every_flag_combination_reads_its_rules_answer_from_a_global():
     with _answers(fill=True):
         expected = {(name, tuple(c.items())): _outcome(answer, name, **c)
@@ -53,6 +54,7 @@ def test_every_flag_combination_reads_its_rules_answer_from_a_global():
     assert "_TP_CP_GROUP" not in vars(accessors)  # no answer: no global
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_without_answers_every_accessor_asks_answer():
     with _answers(fill=False):
         for name in RULES:
