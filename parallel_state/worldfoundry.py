@@ -31,9 +31,6 @@ import scheduler as _scheduler
 from parallel_state.megatron import accessors as _acc
 from parallel_state.megatron import cp_size_t as _split
 from parallel_state.megatron import initialize as _init
-from parallel_state.megatron.answers import ANSWERS as _A
-from parallel_state.megatron.answers import lookup as _lookup
-from parallel_state.megatron.compiled import compile_accessor as _compile
 from parallel_state.megatron.initialize import destroy_model_parallel
 from parallel_state.runtime.dist_init import dist_init, is_last_rank, is_last_tp_cp_rank
 from parallel_state.runtime.dtensor import (
@@ -55,8 +52,6 @@ from parallel_state.runtime.orchestration import (
 from parallel_state.runtime.resolve import dist_ready as is_distributed_initialized
 from parallel_state.runtime.resolve import resolve_global_rank as get_global_rank
 from parallel_state.runtime.resolve import resolve_world_size as get_world_size
-from parallel_state.topology import kinds as _kinds
-from parallel_state.topology.answer_keys import Fact as _Fact
 from parallel_state.topology.arguments import flag as _flag
 
 # --- context-parallel data helpers: this project's cp package under WorldFoundry's names --------
@@ -74,7 +69,7 @@ PPScheduler = _scheduler.PPScheduler
 init_pp_scheduler = _scheduler.init_pp_scheduler
 pp_scheduler = _scheduler.pp_scheduler
 
-# --- accessors: the compiled ones, WorldFoundry's short names ------------------------------------
+# --- accessors: this project's, WorldFoundry's short names ------------------------------------------
 get_cp_group = _acc.get_cp_group
 get_cp_rank = _acc.get_cp_rank
 get_cp_world_size = _acc.get_cp_world_size
@@ -97,29 +92,24 @@ get_tp_world_size = _acc.get_tp_world_size
 model_parallel_is_initialized = _acc.model_parallel_is_initialized
 
 
-_TP_GROUP, _TP_CP_GROUP = _kinds.TP.key(_Fact.GROUP), _kinds.TP_CP.key(_Fact.GROUP)
-_TP_SRC, _TP_CP_SRC = _kinds.TP.key(_Fact.SRC), _kinds.TP_CP.key(_Fact.SRC)
+def get_tp_group(check_initialized: bool = True, with_context_parallel: bool = False) -> Any:
+    """This rank's tensor-parallel group (tp x cp with ``with_context_parallel``); None if absent and not checked.
+
+    WorldFoundry puts ``check_initialized`` first; the answers are megatron-core's two group getters'.
+    """
+    if _flag("with_context_parallel", with_context_parallel):
+        return _acc.get_tensor_and_context_parallel_group(check_initialized)
+    return _acc.get_tensor_model_parallel_group(check_initialized)
 
 
-def _get_tp_group(check_initialized: bool = True, with_context_parallel: bool = False) -> Any:
-    """This rank's tensor-parallel group (tp x cp with ``with_context_parallel``); None if absent and not checked."""
-    key = _TP_CP_GROUP if _flag("with_context_parallel", with_context_parallel) else _TP_GROUP
-    return _lookup(key) if _flag("check_initialized", check_initialized) else _A.get(key)
+def get_tensor_model_parallel_src_rank(with_context_parallel: bool = False) -> int:
+    """First global rank of this rank's tensor-parallel group (tp x cp with ``with_context_parallel``).
 
-
-# WorldFoundry puts check_initialized first; same answers as parallel_state.get_tp_group, as fast.
-get_tp_group = _compile(_get_tp_group, {"default": _TP_GROUP, "cp": _TP_CP_GROUP}, name="get_tp_group")
-
-
-def _get_tensor_model_parallel_src_rank(with_context_parallel: bool = False) -> int:
-    """First global rank of this rank's tensor-parallel group (tp x cp with ``with_context_parallel``)."""
-    return _lookup(_TP_CP_SRC if _flag("with_context_parallel", with_context_parallel) else _TP_SRC)
-
-
-# WorldFoundry's extension of megatron-core's accessor (which takes no argument), positional as there.
-get_tensor_model_parallel_src_rank = _compile(
-    _get_tensor_model_parallel_src_rank, {"default": _TP_SRC, "cp": _TP_CP_SRC},
-    name="get_tensor_model_parallel_src_rank")
+    WorldFoundry's extension of megatron-core's accessor (which takes no argument), positional as there.
+    """
+    if _flag("with_context_parallel", with_context_parallel):
+        return _acc.get_tensor_model_parallel_ranks(with_context_parallel=True)[0]
+    return _acc.get_tensor_model_parallel_src_rank()
 
 
 def initialize_model_parallel(

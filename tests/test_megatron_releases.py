@@ -151,6 +151,18 @@ def refused(function, count):
     return False
 from parallel_state.topology.release_table import SIGNATURES
 out["table"] = {f: [positional(f), refused(f, len(positional(f)))] for f in SIGNATURES}
+def made_from_text(fn):  # not a def of a file of the package at the line its code names
+    code = fn.__code__
+    if not (code.co_filename.startswith(os.path.dirname(ps.__file__)) and os.path.isfile(code.co_filename)):
+        return True
+    with open(code.co_filename, encoding="utf-8") as f:
+        return f"def {code.co_name}(" not in f.read().splitlines()[code.co_firstlineno - 1]
+import dataclasses
+def functions(obj):  # a function, or a class's own __init__ (a dataclass's is written from its fields)
+    own = inspect.isclass(obj) and not dataclasses.is_dataclass(obj)
+    return [fn for fn in (obj, getattr(obj, "__init__", None) if own else None) if inspect.isfunction(fn)]
+out["made_from_text"] = sorted(name for name in dir(ps) for fn in functions(getattr(ps, name))
+                               if fn.__module__.startswith("parallel_state") and made_from_text(fn))
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 ps.initialize_model_parallel(timeout=datetime.timedelta(seconds=20))
 def outcome(fn, *args):
@@ -184,6 +196,7 @@ def _probe(release, tmp_path):
 def test_a_process_binds_as_the_release_it_declares(tmp_path, release):
     out = _probe(release, tmp_path)
     assert out["release"] == release
+    assert out["made_from_text"] == []  # the release's functions are defs of the checked-in source
     assert out["differences"] == sorted(EXTENDED)  # every other function: exactly the release's parameters
     # Every table function takes exactly the release's parameters positionally, in its order (its data's).
     for function, (positional, refused) in out["table"].items():
@@ -208,6 +221,7 @@ def test_a_process_binds_as_the_release_it_declares(tmp_path, release):
 
 def test_an_unknown_release_takes_only_the_positions_every_release_shares(tmp_path):
     out = _probe("0.20", tmp_path)
+    assert out["made_from_text"] == []
     positional = {n: [p for p, kind in sig if kind == "POSITIONAL_OR_KEYWORD"] for n, sig in out["signatures"].items()}
     assert len(positional["initialize_model_parallel"]) == 9
     assert positional["get_data_parallel_group"] == ["with_context_parallel"]

@@ -40,7 +40,8 @@ def _optional_timeout(timeout: object) -> datetime.timedelta | None:
     return None if timeout is None else positive_timedelta("timeout", timeout)
 
 
-def _group_members(ranks: object, world_size: int) -> list[int]:
+def group_members(ranks: object, world_size: int) -> list[int]:
+    """``ranks`` as distinct global ranks of a world of ``world_size``, or the error naming what is wrong."""
     if isinstance(ranks, (str, bytes)) or not (isinstance(ranks, Sequence) or hasattr(ranks, "tolist")):
         raise ParallelStateTypeError(f"ranks must be a list of global ranks or None (the whole world), got {ranks!r}")
     values = ranks.tolist() if hasattr(ranks, "tolist") else list(ranks)
@@ -89,7 +90,7 @@ def create_group(
     """
     dist = _dist()
     me = dist.get_rank()
-    members = None if ranks is None else _group_members(ranks, dist.get_world_size())
+    members = None if ranks is None else group_members(ranks, dist.get_world_size())
     timeout = _optional_timeout(timeout)
     backend = optional_str("backend", backend, "gloo")
     local = flag("use_local_synchronization", use_local_synchronization)

@@ -1,267 +1,1257 @@
-"""megatron-core's parallel-state accessors, each a lookup in the precomputed answers.
+"""megatron-core's parallel-state accessors: each answer precomputed, a call one global read.
 
 The answers (``parallel_state.megatron.answers``) are computed when the groups are built and when an
-override changes, so a call costs one dict lookup; arguments are validated only off the
-default path. Most accessors repeat one of a few shapes and are made by the factories below,
-one line each, with megatron-core's parameter names and defaults. Where the parameters differ
-between megatron-core releases, the reference below takes every release's, without defaults: the
-accessor's signature (exactly the release in use's parameters, in its order, with their defaults)
-is the release table's (``release_table.SIGNATURES``), and its fast twin (``compiled``) passes
-every argument to the reference by keyword, the other releases' at their defaults.
+override changes. An accessor runs per layer and per micro-batch, so most are written to cost what
+megatron-core's own cost (``assert _GROUP is not None; return _GROUP``): a global of this module read.
+Those are written by ``python -m parallel_state.tools.generate`` (the region below) from their
+rules (``accessor_keys``: which answer each returns for its flags, with its docstring) and the
+release table (the parameters of the release in use, exactly, in its order): each tests its flags,
+one after another (a flag at False by truth, as megatron-core tests it; True with ``is``), and
+returns the global holding that answer. ``_refresh`` sets those globals from the answers after every
+change of the state and removes those with no answer (nothing initialized, a kind not built): the
+read then raises NameError and, like any other argument values, the call goes to
+``accessor_keys.answer``, which checks the arguments and answers or explains. ``check_initialized``
+is never tested on the fast path: it decides only what happens without an answer.
+
+Why globals and plain parameters: a global read is what megatron-core's accessors cost, while a
+closure pays to copy its cells into every call's frame (3 to 6 ns more per call on this project's
+2-CPU machine, ``python -m benchmarks.bench_accessors``); and CPython specializes a call only to a
+function without ``*args``, ``**kwargs`` or keyword-only parameters, so an accessor takes none of
+another release's parameters (about 30 ns more per call otherwise, ``--direct``). Only for a release
+parallel_state does not know does one keep them (every known release's keywords, keyword-only,
+after the shared positions).
+
+The accessors whose answer depends on more than their flags (pipeline stages with ``vp_stage``, the
+hybrid groups, the deprecated names that warn) and the ``set_*`` overrides are written by hand below.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 from parallel_state.errors import ParallelStateAssertionError
 from parallel_state.groups import state as _st
 from parallel_state.groups.state import Override
+from parallel_state.megatron.accessor_keys import answer
 from parallel_state.megatron.answers import ANSWERS as _A
 from parallel_state.megatron.answers import lookup as _lookup
-from parallel_state.megatron.compiled import compile_accessor
-from parallel_state.topology.answer_keys import ALL_RANKS, INITIALIZED, VPP_RANK, VPP_SIZE, AnswerKey, Fact
+from parallel_state.topology import answer_keys, kinds, releases
+from parallel_state.topology.answer_keys import INITIALIZED, VPP_SIZE, AnswerKey, Fact
 from parallel_state.topology.arguments import flag, non_negative_int
-from parallel_state.topology.kinds import (
-    CP,
-    DIST_OPT,
-    DP,
-    DP_CP,
-    DP_CP_AG,
-    DP_CP_INTRA,
-    EDP,
-    EDP_INTER,
-    EDP_INTRA,
-    EGTP,
-    EGTP_EDP,
-    EGTP_EDP_INTRA,
-    EMBD,
-    EP,
-    ETP,
-    ETP_EP,
-    ETP_EP_EGTP_PP,
-    ETP_EP_PP,
-    GTP,
-    GTP_DP,
-    GTP_DP_CP,
-    GTP_DP_CP_INTRA,
-    HCP,
-    HYBRID,
-    POS_EMBD,
-    PP,
-    TP,
-    TP_CP,
-    TP_DP,
-    TP_DP_CP,
-    TP_PP,
-    Kind,
-)
+from parallel_state.topology.kinds import DP, DP_CP, EMBD, HYBRID, PP
 
-#: reference accessor -> its fast path (variant -> answer key), compiled at the end of the module.
-_FAST: dict[Callable[..., Any], dict[str, AnswerKey]] = {}
+# <generated: accessors> by `python -m parallel_state.tools.generate` from accessor_keys.RULES and the release table
+#: Each global an accessor reads on its fast path, and the key of the answer it holds (``_refresh``
+#: sets them).
+VARIABLES: dict[str, AnswerKey] = {
+    "_DP_EXISTS": kinds.DP.key(Fact.EXISTS),
+    "_INITIALIZED": answer_keys.INITIALIZED,
+    "_TP_PP_GROUP": kinds.TP_PP.key(Fact.GROUP),
+    "_TP_GROUP": kinds.TP.key(Fact.GROUP),
+    "_PP_GROUP": kinds.PP.key(Fact.GROUP),
+    "_CP_GROUP": kinds.CP.key(Fact.GROUP),
+    "_TP_CP_GROUP": kinds.TP_CP.key(Fact.GROUP),
+    "_EMBD_GROUP": kinds.EMBD.key(Fact.GROUP),
+    "_POS_EMBD_GROUP": kinds.POS_EMBD.key(Fact.GROUP),
+    "_CP_RANKS": kinds.CP.key(Fact.RANKS),
+    "_HCP_GROUPS": kinds.HCP.key(Fact.GROUPS),
+    "_EP_GROUP": kinds.EP.key(Fact.GROUP),
+    "_ETP_GROUP": kinds.ETP.key(Fact.GROUP),
+    "_ETP_EP_GROUP": kinds.ETP_EP.key(Fact.GROUP),
+    "_GTP_GROUP": kinds.GTP.key(Fact.GROUP),
+    "_GTP_RANKS": kinds.GTP.key(Fact.RANKS),
+    "_EGTP_GROUP": kinds.EGTP.key(Fact.GROUP),
+    "_EGTP_RANKS": kinds.EGTP.key(Fact.RANKS),
+    "_ETP_EP_PP_GROUP": kinds.ETP_EP_PP.key(Fact.GROUP),
+    "_ETP_EP_EGTP_PP_GROUP": kinds.ETP_EP_EGTP_PP.key(Fact.GROUP),
+    "_DIST_OPT_GROUP": kinds.DIST_OPT.key(Fact.GROUP),
+    "_EDP_INTER_GROUP": kinds.EDP_INTER.key(Fact.GROUP),
+    "_GTP_DP_GROUP": kinds.GTP_DP.key(Fact.GROUP),
+    "_GTP_DP_CP_GROUP": kinds.GTP_DP_CP.key(Fact.GROUP),
+    "_DP_CP_AG_GROUP": kinds.DP_CP_AG.key(Fact.GROUP),
+    "_GTP_DP_CP_INTRA_GROUP": kinds.GTP_DP_CP_INTRA.key(Fact.GROUP),
+    "_DP_GROUP": kinds.DP.key(Fact.GROUP),
+    "_DP_CP_GROUP": kinds.DP_CP.key(Fact.GROUP),
+    "_DP_CP_INTRA_GROUP": kinds.DP_CP_INTRA.key(Fact.GROUP),
+    "_DP_CP_AG_EXISTS": kinds.DP_CP_AG.key(Fact.EXISTS),
+    "_DP_GLOO": kinds.DP.key(Fact.GLOO),
+    "_DP_CP_GLOO": kinds.DP_CP.key(Fact.GLOO),
+    "_DP_CP_INTRA_GLOO": kinds.DP_CP_INTRA.key(Fact.GLOO),
+    "_TP_DP_GROUP": kinds.TP_DP.key(Fact.GROUP),
+    "_TP_DP_CP_GROUP": kinds.TP_DP_CP.key(Fact.GROUP),
+    "_EGTP_EDP_GROUP": kinds.EGTP_EDP.key(Fact.GROUP),
+    "_EGTP_EDP_INTRA_GROUP": kinds.EGTP_EDP_INTRA.key(Fact.GROUP),
+    "_EDP_GROUP": kinds.EDP.key(Fact.GROUP),
+    "_EDP_INTRA_GROUP": kinds.EDP_INTRA.key(Fact.GROUP),
+    "_EDP_GLOO": kinds.EDP.key(Fact.GLOO),
+    "_EDP_INTRA_GLOO": kinds.EDP_INTRA.key(Fact.GLOO),
+    "_TP_SIZE": kinds.TP.key(Fact.SIZE),
+    "_TP_RANK": kinds.TP.key(Fact.RANK),
+    "_PP_SIZE": kinds.PP.key(Fact.SIZE),
+    "_PP_RANK": kinds.PP.key(Fact.RANK),
+    "_CP_SIZE": kinds.CP.key(Fact.SIZE),
+    "_CP_RANK": kinds.CP.key(Fact.RANK),
+    "_TP_CP_SIZE": kinds.TP_CP.key(Fact.SIZE),
+    "_TP_CP_RANK": kinds.TP_CP.key(Fact.RANK),
+    "_GTP_DP_SIZE": kinds.GTP_DP.key(Fact.SIZE),
+    "_GTP_DP_CP_SIZE": kinds.GTP_DP_CP.key(Fact.SIZE),
+    "_GTP_DP_CP_INTRA_SIZE": kinds.GTP_DP_CP_INTRA.key(Fact.SIZE),
+    "_DP_SIZE": kinds.DP.key(Fact.SIZE),
+    "_DP_CP_SIZE": kinds.DP_CP.key(Fact.SIZE),
+    "_DP_CP_INTRA_SIZE": kinds.DP_CP_INTRA.key(Fact.SIZE),
+    "_GTP_DP_RANK": kinds.GTP_DP.key(Fact.RANK),
+    "_GTP_DP_CP_RANK": kinds.GTP_DP_CP.key(Fact.RANK),
+    "_GTP_DP_CP_INTRA_RANK": kinds.GTP_DP_CP_INTRA.key(Fact.RANK),
+    "_DP_RANK": kinds.DP.key(Fact.RANK),
+    "_DP_CP_RANK": kinds.DP_CP.key(Fact.RANK),
+    "_DP_CP_INTRA_RANK": kinds.DP_CP_INTRA.key(Fact.RANK),
+    "_EP_SIZE": kinds.EP.key(Fact.SIZE),
+    "_EP_RANK": kinds.EP.key(Fact.RANK),
+    "_ETP_SIZE": kinds.ETP.key(Fact.SIZE),
+    "_ETP_RANK": kinds.ETP.key(Fact.RANK),
+    "_ETP_EP_SIZE": kinds.ETP_EP.key(Fact.SIZE),
+    "_ETP_EP_RANK": kinds.ETP_EP.key(Fact.RANK),
+    "_EGTP_EDP_SIZE": kinds.EGTP_EDP.key(Fact.SIZE),
+    "_EGTP_EDP_INTRA_SIZE": kinds.EGTP_EDP_INTRA.key(Fact.SIZE),
+    "_EDP_SIZE": kinds.EDP.key(Fact.SIZE),
+    "_EDP_INTRA_SIZE": kinds.EDP_INTRA.key(Fact.SIZE),
+    "_EGTP_EDP_RANK": kinds.EGTP_EDP.key(Fact.RANK),
+    "_EGTP_EDP_INTRA_RANK": kinds.EGTP_EDP_INTRA.key(Fact.RANK),
+    "_EDP_RANK": kinds.EDP.key(Fact.RANK),
+    "_EDP_INTRA_RANK": kinds.EDP_INTRA.key(Fact.RANK),
+    "_GTP_SIZE": kinds.GTP.key(Fact.SIZE),
+    "_GTP_RANK": kinds.GTP.key(Fact.RANK),
+    "_EGTP_SIZE": kinds.EGTP.key(Fact.SIZE),
+    "_EGTP_RANK": kinds.EGTP.key(Fact.RANK),
+    "_VPP_SIZE": answer_keys.VPP_SIZE,
+    "_VPP_RANK": answer_keys.VPP_RANK,
+    "_TP_PP_SRC": kinds.TP_PP.key(Fact.SRC),
+    "_EP_SRC": kinds.EP.key(Fact.SRC),
+    "_PP_FIRST": kinds.PP.key(Fact.FIRST),
+    "_PP_LAST": kinds.PP.key(Fact.LAST),
+    "_PP_NEXT": kinds.PP.key(Fact.NEXT),
+    "_PP_PREV": kinds.PP.key(Fact.PREV),
+    "_ALL_RANKS": answer_keys.ALL_RANKS,
+    "_TP_SRC": kinds.TP.key(Fact.SRC),
+    "_DP_SRC": kinds.DP.key(Fact.SRC),
+    "_DP_CP_SRC": kinds.DP_CP.key(Fact.SRC),
+    "_POS_EMBD_IN": kinds.POS_EMBD.key(Fact.IN),
+    "_TP_RANKS": kinds.TP.key(Fact.RANKS),
+    "_TP_CP_RANKS": kinds.TP_CP.key(Fact.RANKS),
+}
 
-
-def _fast(fn: Callable[..., Any], **variants: AnswerKey) -> Callable[..., Any]:
-    """Record ``fn``'s fast path: ``default=KEY`` for its default arguments; ``cp``, ``cp_partial``,
-    ``cp_all_gather``, ``partial``, ``tp_only``, ``cp_tp_only`` for those flags turned on (see ``compiled``)."""
-    _FAST[fn] = variants
-    return fn
-
-
-def _value(key: AnswerKey, doc: str) -> Callable[[], Any]:
-    def get() -> Any:
-        return _lookup(key)
-
-    get.__doc__ = doc
-    return _fast(get, default=key)
-
-
-def _group(key: AnswerKey, doc: str) -> Callable[..., Any]:
-    def get(check_initialized: bool = True) -> Any:
-        if check_initialized is True:
-            return _lookup(key)
-        return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
-
-    get.__doc__ = doc
-    return _fast(get, default=key)
-
-
-#: (spans gtp_remat, with context parallel, partial) -> the data-parallel kind; the expert ones without cp.
-_DP_KINDS: dict[tuple[bool, bool, bool], Kind] = {
-    (True, False, False): GTP_DP, (False, False, False): DP, (True, True, False): GTP_DP_CP,
-    (False, True, False): DP_CP, (True, True, True): GTP_DP_CP_INTRA, (False, True, True): DP_CP_INTRA}
-_EDP_KINDS: dict[tuple[bool, bool], Kind] = {
-    (True, False): EGTP_EDP, (False, False): EDP, (True, True): EGTP_EDP_INTRA, (False, True): EDP_INTRA}
-
-
-def _keys(kinds: dict[Any, Kind], fact: Fact) -> dict[Any, AnswerKey]:
-    """``fact``'s key of each kind of ``kinds``, made once (making a key costs more than reading its answer)."""
-    return {flags: kind.key(fact) for flags, kind in kinds.items()}
-
-
-def _dp_key(keys: dict[tuple[bool, bool, bool], AnswerKey], with_context_parallel: Any, partial_data_parallel: Any,
-            with_gtp_remat: Any = True) -> AnswerKey:
-    """A data-parallel accessor's key among ``keys`` (a fact's, by ``_keys``); ``with_gtp_remat`` (0.19, default
-    True) spans gtp_remat."""
-    cp, partial = flag("with_context_parallel", with_context_parallel), flag("partial_data_parallel", partial_data_parallel)
-    if partial and not cp:
-        raise ParallelStateAssertionError(
-            "partial data parallelism (distributed-optimizer instances) includes context parallelism: "
-            "pass with_context_parallel=True together with partial_data_parallel=True"
-        )
-    return keys[(flag("with_gtp_remat", with_gtp_remat), cp, partial)]
-
-
-def _dp_number(what: Fact, doc: str) -> Callable[..., int]:
-    keys = _keys(_DP_KINDS, what)
-
-    def get(with_context_parallel: bool, with_gtp_remat: bool, partial_data_parallel: bool) -> int:
-        return _lookup(_dp_key(keys, with_context_parallel, partial_data_parallel, with_gtp_remat))
-
-    get.__doc__ = doc
-    return _fast(get, default=GTP_DP.key(what), cp=GTP_DP_CP.key(what), cp_partial=GTP_DP_CP_INTRA.key(what))
-
-
-def _edp_key(keys: dict[tuple[bool, bool], AnswerKey], with_gtp_remat: Any, partial_expert_data_parallel: Any
-             ) -> AnswerKey:
-    return keys[(flag("with_gtp_remat", with_gtp_remat),
-                 flag("partial_expert_data_parallel", partial_expert_data_parallel))]
-
-
-def _edp_number(what: Fact, doc: str) -> Callable[..., int]:
-    keys = _keys(_EDP_KINDS, what)
-
-    def get(with_gtp_remat: bool, partial_expert_data_parallel: bool) -> int:
-        return _lookup(_edp_key(keys, with_gtp_remat, partial_expert_data_parallel))
-
-    get.__doc__ = doc
-    return _fast(get, default=EGTP_EDP.key(what), partial=EGTP_EDP_INTRA.key(what))
-
-
-# The keys the accessors below read at call time, made here once.
-_DP_GROUP, _DP_GLOO = _keys(_DP_KINDS, Fact.GROUP), _keys(_DP_KINDS, Fact.GLOO)
-_EDP_GROUP = _keys(_EDP_KINDS, Fact.GROUP)
-_TP_GROUP, _TP_RANK, _TP_SIZE, _TP_RANKS, _TP_SRC = (TP.key(f) for f in (Fact.GROUP, Fact.RANK, Fact.SIZE, Fact.RANKS,
-                                                                          Fact.SRC))
-_TP_CP_GROUP, _TP_CP_RANK, _TP_CP_SIZE, _TP_CP_RANKS = (TP_CP.key(f) for f in (Fact.GROUP, Fact.RANK, Fact.SIZE,
-                                                                                 Fact.RANKS))
-_TP_DP_GROUP, _TP_DP_CP_GROUP = TP_DP.key(Fact.GROUP), TP_DP_CP.key(Fact.GROUP)
-_DP_CP_GROUP, _DP_CP_AG_GROUP, _HYBRID_GROUPS = DP_CP.key(Fact.GROUP), DP_CP_AG.key(Fact.GROUP), HYBRID.key(Fact.GROUPS)
-_ETP_EP_PP_GROUP, _ETP_EP_EGTP_PP_GROUP = ETP_EP_PP.key(Fact.GROUP), ETP_EP_EGTP_PP.key(Fact.GROUP)
-_EDP_GLOO, _EDP_INTRA_GLOO = EDP.key(Fact.GLOO), EDP_INTRA.key(Fact.GLOO)
-_DP_SRC, _DP_CP_SRC = DP.key(Fact.SRC), DP_CP.key(Fact.SRC)
-_PP_IS_FIRST, _PP_IS_LAST = PP.key(Fact.IS_FIRST), PP.key(Fact.IS_LAST)
-_EMBD_IN, _EMBD_RANKS, _POS_EMBD_IN = EMBD.key(Fact.IN), EMBD.key(Fact.RANKS), POS_EMBD.key(Fact.IN)
-_DP_EXISTS = DP.key(Fact.EXISTS)
-
-
-def _setter(key: Override, param: str) -> Callable[[Any], None]:
-    # megatron-core's parameter names (rank / world_size), so keyword calls keep working.
-    def set_rank(rank: int | None) -> None:
-        _st.set_override(key, rank)
-
-    def set_world_size(world_size: int | None) -> None:
-        _st.set_override(key, world_size)
-
-    set_ = set_rank if param == "rank" else set_world_size
-    set_.__doc__ = f"Override the {key.replace('_', ' ')} (megatron-core's testing hook); None clears it."
-    return set_
-
-
-# --- lifecycle -------------------------------------------------------------------------------
 
 def is_initialized() -> bool:
     """Whether the model-parallel groups exist (megatron-core: the data-parallel group is set)."""
-    return _A.get(_DP_EXISTS, False)
+    try:
+        return _DP_EXISTS
+    except NameError:
+        return answer("is_initialized")
 
 
 def model_parallel_is_initialized() -> bool:
     """Whether the tensor-, pipeline- and data-parallel groups exist."""
-    return INITIALIZED in _A
+    try:
+        return _INITIALIZED
+    except NameError:
+        return answer("model_parallel_is_initialized")
+
+
+def get_model_parallel_group(check_initialized: bool = True) -> Any:
+    """This rank's model-parallel (tp x pp) group."""
+    try:
+        return _TP_PP_GROUP
+    except NameError:
+        return answer("get_model_parallel_group", check_initialized=check_initialized)
+
+
+def get_tensor_model_parallel_group(check_initialized: bool = True) -> Any:
+    """This rank's tensor-model-parallel group."""
+    try:
+        return _TP_GROUP
+    except NameError:
+        return answer("get_tensor_model_parallel_group", check_initialized=check_initialized)
+
+
+def get_pipeline_model_parallel_group(check_initialized: bool = True) -> Any:
+    """This rank's pipeline-model-parallel group."""
+    try:
+        return _PP_GROUP
+    except NameError:
+        return answer("get_pipeline_model_parallel_group", check_initialized=check_initialized)
+
+
+def get_context_parallel_group(check_initialized: bool = True) -> Any:
+    """This rank's context-parallel group."""
+    try:
+        return _CP_GROUP
+    except NameError:
+        return answer("get_context_parallel_group", check_initialized=check_initialized)
+
+
+def get_tensor_and_context_parallel_group(check_initialized: bool = True) -> Any:
+    """This rank's tensor x context-parallel group."""
+    try:
+        return _TP_CP_GROUP
+    except NameError:
+        return answer("get_tensor_and_context_parallel_group", check_initialized=check_initialized)
+
+
+def get_embedding_group(check_initialized: bool = True) -> Any:
+    """This rank's embedding group (the stages holding word embeddings)."""
+    try:
+        return _EMBD_GROUP
+    except NameError:
+        return answer("get_embedding_group", check_initialized=check_initialized)
+
+
+def get_position_embedding_group(check_initialized: bool = True) -> Any:
+    """This rank's position-embedding group."""
+    try:
+        return _POS_EMBD_GROUP
+    except NameError:
+        return answer("get_position_embedding_group", check_initialized=check_initialized)
+
+
+def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[int]:
+    """Global ranks of this rank's context-parallel group."""
+    try:
+        return _CP_RANKS
+    except NameError:
+        return answer("get_context_parallel_global_ranks", check_initialized=check_initialized)
+
+
+def get_hierarchical_context_parallel_groups(check_initialized: bool = True) -> list[Any]:
+    """This rank's hierarchical context-parallel groups, innermost level first."""
+    try:
+        return _HCP_GROUPS
+    except NameError:
+        return answer("get_hierarchical_context_parallel_groups", check_initialized=check_initialized)
+
+
+def get_expert_model_parallel_group(check_initialized: bool = True) -> Any:
+    """This rank's expert-model-parallel group."""
+    try:
+        return _EP_GROUP
+    except NameError:
+        return answer("get_expert_model_parallel_group", check_initialized=check_initialized)
+
+
+def get_expert_tensor_parallel_group(check_initialized: bool = True) -> Any:
+    """This rank's expert-tensor-parallel group."""
+    try:
+        return _ETP_GROUP
+    except NameError:
+        return answer("get_expert_tensor_parallel_group", check_initialized=check_initialized)
+
+
+def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True) -> Any:
+    """This rank's expert tp x ep group."""
+    try:
+        return _ETP_EP_GROUP
+    except NameError:
+        return answer("get_expert_tensor_and_model_parallel_group", check_initialized=check_initialized)
+
+
+def get_gtp_weight_remat_group(check_initialized: bool = True) -> Any:
+    """This rank's generalized tensor-parallel (gtp_remat) weight-sharding group (megatron-core 0.19)."""
+    try:
+        return _GTP_GROUP
+    except NameError:
+        return answer("get_gtp_weight_remat_group", check_initialized=check_initialized)
+
+
+def get_gtp_weight_remat_global_ranks(check_initialized: bool = True) -> list[int]:
+    """Global ranks of this rank's gtp_remat group."""
+    try:
+        return _GTP_RANKS
+    except NameError:
+        return answer("get_gtp_weight_remat_global_ranks", check_initialized=check_initialized)
+
+
+def get_expert_gtp_weight_remat_group(check_initialized: bool = True) -> Any:
+    """This rank's expert gtp_remat weight-sharding group (megatron-core 0.19)."""
+    try:
+        return _EGTP_GROUP
+    except NameError:
+        return answer("get_expert_gtp_weight_remat_group", check_initialized=check_initialized)
+
+
+def get_expert_gtp_weight_remat_global_ranks(check_initialized: bool = True) -> list[int]:
+    """Global ranks of this rank's expert gtp_remat group."""
+    try:
+        return _EGTP_RANKS
+    except NameError:
+        return answer("get_expert_gtp_weight_remat_global_ranks", check_initialized=check_initialized)
+
+
+if releases.in_use() in ("0.16", "0.17", "0.18"):
+    def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True) -> Any:
+        """This rank's expert tp x ep x pp group (merged across expert gtp_remat peers with ``with_egtp_remat``)."""
+        try:
+            return _ETP_EP_PP_GROUP
+        except NameError:
+            return answer("get_expert_tensor_model_pipeline_parallel_group", check_initialized=check_initialized)
+elif releases.in_use() == "0.19":
+    def get_expert_tensor_model_pipeline_parallel_group(
+        check_initialized: bool = True, with_egtp_remat: bool = False,
+    ) -> Any:
+        """This rank's expert tp x ep x pp group (merged across expert gtp_remat peers with ``with_egtp_remat``)."""
+        try:
+            if not with_egtp_remat:
+                return _ETP_EP_PP_GROUP
+            elif with_egtp_remat is True:
+                return _ETP_EP_EGTP_PP_GROUP
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_expert_tensor_model_pipeline_parallel_group", check_initialized=check_initialized,
+            with_egtp_remat=with_egtp_remat,
+        )
+else:  # any release parallel_state does not know
+    def get_expert_tensor_model_pipeline_parallel_group(
+        check_initialized: bool = True, *beyond, with_egtp_remat: bool = False,
+    ) -> Any:
+        """This rank's expert tp x ep x pp group (merged across expert gtp_remat peers with ``with_egtp_remat``)."""
+        if beyond:
+            releases.refuse("get_expert_tensor_model_pipeline_parallel_group()", 1, len(beyond))
+        try:
+            if not with_egtp_remat:
+                return _ETP_EP_PP_GROUP
+            elif with_egtp_remat is True:
+                return _ETP_EP_EGTP_PP_GROUP
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_expert_tensor_model_pipeline_parallel_group", check_initialized=check_initialized,
+            with_egtp_remat=with_egtp_remat,
+        )
+
+
+def get_intra_distributed_optimizer_instance_group(check_initialized: bool = True) -> Any:
+    """The group of every rank in this rank's distributed-optimizer instance."""
+    try:
+        return _DIST_OPT_GROUP
+    except NameError:
+        return answer("get_intra_distributed_optimizer_instance_group", check_initialized=check_initialized)
+
+
+def get_inter_distributed_optimizer_instance_group(check_initialized: bool = True) -> Any:
+    """The group spanning the distributed-optimizer instances (one rank of each)."""
+    try:
+        return _EDP_INTER_GROUP
+    except NameError:
+        return answer("get_inter_distributed_optimizer_instance_group", check_initialized=check_initialized)
+
+
+if releases.in_use() in ("0.16", "0.17"):
+    def get_data_parallel_group(
+        with_context_parallel: bool = False, partial_data_parallel: bool = False, independent_all_gather: bool = False,
+    ) -> Any:
+        """This rank's data-parallel group: dp x cp with ``with_context_parallel``; spanning gtp_remat unless
+        ``with_gtp_remat=False`` (0.19: the replicate group); its instance's part, or 0.16/0.17's separate
+        all-gather group, on request.
+        """
+        try:
+            if not with_context_parallel:
+                if not partial_data_parallel:
+                    if not independent_all_gather:
+                        return _GTP_DP_GROUP
+                    elif independent_all_gather is True:
+                        return _GTP_DP_GROUP
+            elif with_context_parallel is True:
+                if not partial_data_parallel:
+                    if not independent_all_gather:
+                        return _GTP_DP_CP_GROUP
+                    elif independent_all_gather is True:
+                        return _DP_CP_AG_GROUP
+                elif partial_data_parallel is True:
+                    if not independent_all_gather:
+                        return _GTP_DP_CP_INTRA_GROUP
+                    elif independent_all_gather is True:
+                        return _GTP_DP_CP_INTRA_GROUP
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_group", with_context_parallel=with_context_parallel,
+            partial_data_parallel=partial_data_parallel, independent_all_gather=independent_all_gather,
+        )
+elif releases.in_use() == "0.18":
+    def get_data_parallel_group(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> Any:
+        """This rank's data-parallel group: dp x cp with ``with_context_parallel``; spanning gtp_remat unless
+        ``with_gtp_remat=False`` (0.19: the replicate group); its instance's part, or 0.16/0.17's separate
+        all-gather group, on request.
+        """
+        try:
+            if not with_context_parallel:
+                if not partial_data_parallel:
+                    return _GTP_DP_GROUP
+            elif with_context_parallel is True:
+                if not partial_data_parallel:
+                    return _GTP_DP_CP_GROUP
+                elif partial_data_parallel is True:
+                    return _GTP_DP_CP_INTRA_GROUP
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_group", with_context_parallel=with_context_parallel,
+            partial_data_parallel=partial_data_parallel,
+        )
+elif releases.in_use() == "0.19":
+    def get_data_parallel_group(
+        with_context_parallel: bool = False, with_gtp_remat: bool = True, partial_data_parallel: bool = False,
+    ) -> Any:
+        """This rank's data-parallel group: dp x cp with ``with_context_parallel``; spanning gtp_remat unless
+        ``with_gtp_remat=False`` (0.19: the replicate group); its instance's part, or 0.16/0.17's separate
+        all-gather group, on request.
+        """
+        try:
+            if not with_context_parallel:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_GROUP
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_GROUP
+            elif with_context_parallel is True:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_CP_GROUP
+                    elif partial_data_parallel is True:
+                        return _GTP_DP_CP_INTRA_GROUP
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_CP_GROUP
+                    elif partial_data_parallel is True:
+                        return _DP_CP_INTRA_GROUP
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_group", with_context_parallel=with_context_parallel, with_gtp_remat=with_gtp_remat,
+            partial_data_parallel=partial_data_parallel,
+        )
+else:  # any release parallel_state does not know
+    def get_data_parallel_group(
+        with_context_parallel: bool = False, *beyond, with_gtp_remat: bool = True, partial_data_parallel: bool = False,
+        independent_all_gather: bool = False,
+    ) -> Any:
+        """This rank's data-parallel group: dp x cp with ``with_context_parallel``; spanning gtp_remat unless
+        ``with_gtp_remat=False`` (0.19: the replicate group); its instance's part, or 0.16/0.17's separate
+        all-gather group, on request.
+        """
+        if beyond:
+            releases.refuse("get_data_parallel_group()", 1, len(beyond))
+        try:
+            if not with_context_parallel:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        if not independent_all_gather:
+                            return _GTP_DP_GROUP
+                        elif independent_all_gather is True:
+                            return _GTP_DP_GROUP
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        if not independent_all_gather:
+                            return _DP_GROUP
+                        elif independent_all_gather is True:
+                            return _DP_GROUP
+            elif with_context_parallel is True:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        if not independent_all_gather:
+                            return _GTP_DP_CP_GROUP
+                        elif independent_all_gather is True:
+                            return _DP_CP_AG_GROUP
+                    elif partial_data_parallel is True:
+                        if not independent_all_gather:
+                            return _GTP_DP_CP_INTRA_GROUP
+                        elif independent_all_gather is True:
+                            return _GTP_DP_CP_INTRA_GROUP
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        if not independent_all_gather:
+                            return _DP_CP_GROUP
+                        elif independent_all_gather is True:
+                            return _DP_CP_AG_GROUP
+                    elif partial_data_parallel is True:
+                        if not independent_all_gather:
+                            return _DP_CP_INTRA_GROUP
+                        elif independent_all_gather is True:
+                            return _DP_CP_INTRA_GROUP
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_group", with_context_parallel=with_context_parallel, with_gtp_remat=with_gtp_remat,
+            partial_data_parallel=partial_data_parallel, independent_all_gather=independent_all_gather,
+        )
+
+
+def has_separate_all_gather_group() -> bool:
+    """Whether initialize made a separate dp x cp group for all-gathers (create_all_gather_group=True)."""
+    try:
+        return _DP_CP_AG_EXISTS
+    except NameError:
+        return answer("has_separate_all_gather_group")
+
+
+def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> Any:
+    """This rank's gloo data-parallel group (dp x cp with ``with_context_parallel``)."""
+    try:
+        if not with_context_parallel:
+            if not partial_data_parallel:
+                return _DP_GLOO
+        elif with_context_parallel is True:
+            if not partial_data_parallel:
+                return _DP_CP_GLOO
+            elif partial_data_parallel is True:
+                return _DP_CP_INTRA_GLOO
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer(
+        "get_data_parallel_group_gloo", with_context_parallel=with_context_parallel,
+        partial_data_parallel=partial_data_parallel,
+    )
+
+
+def get_tensor_and_data_parallel_group(check_initialized: bool = True, with_context_parallel: bool = False) -> Any:
+    """This rank's tp x dp group (tp x dp x cp with ``with_context_parallel``)."""
+    try:
+        if not with_context_parallel:
+            return _TP_DP_GROUP
+        elif with_context_parallel is True:
+            return _TP_DP_CP_GROUP
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer(
+        "get_tensor_and_data_parallel_group", check_initialized=check_initialized,
+        with_context_parallel=with_context_parallel,
+    )
+
+
+def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_red: bool = False) -> Any:
+    """The FP8 amax-reduction group: tp x dp (x cp), or tp (x cp) with ``tp_only_amax_red``."""
+    try:
+        if not with_context_parallel:
+            if not tp_only_amax_red:
+                return _TP_DP_GROUP
+            elif tp_only_amax_red is True:
+                return _TP_GROUP
+        elif with_context_parallel is True:
+            if not tp_only_amax_red:
+                return _TP_DP_CP_GROUP
+            elif tp_only_amax_red is True:
+                return _TP_CP_GROUP
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer(
+        "get_amax_reduction_group", with_context_parallel=with_context_parallel, tp_only_amax_red=tp_only_amax_red,
+    )
+
+
+if releases.in_use() in ("0.16", "0.17", "0.18"):
+    def get_expert_data_parallel_group(
+        check_initialized: bool = True, partial_expert_data_parallel: bool = False,
+    ) -> Any:
+        """This rank's expert data-parallel group: spanning expert gtp_remat unless ``with_gtp_remat=False``
+        (0.19: the replicate group); its instance's part with ``partial_expert_data_parallel``.
+        """
+        try:
+            if not partial_expert_data_parallel:
+                return _EGTP_EDP_GROUP
+            elif partial_expert_data_parallel is True:
+                return _EGTP_EDP_INTRA_GROUP
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_expert_data_parallel_group", check_initialized=check_initialized,
+            partial_expert_data_parallel=partial_expert_data_parallel,
+        )
+elif releases.in_use() == "0.19":
+    def get_expert_data_parallel_group(
+        check_initialized: bool = True, with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False,
+    ) -> Any:
+        """This rank's expert data-parallel group: spanning expert gtp_remat unless ``with_gtp_remat=False``
+        (0.19: the replicate group); its instance's part with ``partial_expert_data_parallel``.
+        """
+        try:
+            if with_gtp_remat is True:
+                if not partial_expert_data_parallel:
+                    return _EGTP_EDP_GROUP
+                elif partial_expert_data_parallel is True:
+                    return _EGTP_EDP_INTRA_GROUP
+            elif not with_gtp_remat:
+                if not partial_expert_data_parallel:
+                    return _EDP_GROUP
+                elif partial_expert_data_parallel is True:
+                    return _EDP_INTRA_GROUP
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_expert_data_parallel_group", check_initialized=check_initialized, with_gtp_remat=with_gtp_remat,
+            partial_expert_data_parallel=partial_expert_data_parallel,
+        )
+else:  # any release parallel_state does not know
+    def get_expert_data_parallel_group(
+        check_initialized: bool = True, *beyond, with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False,
+    ) -> Any:
+        """This rank's expert data-parallel group: spanning expert gtp_remat unless ``with_gtp_remat=False``
+        (0.19: the replicate group); its instance's part with ``partial_expert_data_parallel``.
+        """
+        if beyond:
+            releases.refuse("get_expert_data_parallel_group()", 1, len(beyond))
+        try:
+            if with_gtp_remat is True:
+                if not partial_expert_data_parallel:
+                    return _EGTP_EDP_GROUP
+                elif partial_expert_data_parallel is True:
+                    return _EGTP_EDP_INTRA_GROUP
+            elif not with_gtp_remat:
+                if not partial_expert_data_parallel:
+                    return _EDP_GROUP
+                elif partial_expert_data_parallel is True:
+                    return _EDP_INTRA_GROUP
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_expert_data_parallel_group", check_initialized=check_initialized, with_gtp_remat=with_gtp_remat,
+            partial_expert_data_parallel=partial_expert_data_parallel,
+        )
+
+
+def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = False) -> Any:
+    """Deprecated megatron-core name of get_expert_data_parallel_group (the group without expert gtp_remat)."""
+    warnings.warn(
+        "get_data_modulo_expert_parallel_group is deprecated, please use get_expert_data_parallel_group instead.",
+        DeprecationWarning, 1,
+    )
+    try:
+        if not partial_expert_data_parallel:
+            return _EDP_GROUP
+        elif partial_expert_data_parallel is True:
+            return _EDP_INTRA_GROUP
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer("get_data_modulo_expert_parallel_group", partial_expert_data_parallel=partial_expert_data_parallel)
+
+
+def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False) -> Any:
+    """This rank's gloo expert data-parallel group."""
+    try:
+        if not partial_expert_data_parallel:
+            return _EDP_GLOO
+        elif partial_expert_data_parallel is True:
+            return _EDP_INTRA_GLOO
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer("get_expert_data_parallel_group_gloo", partial_expert_data_parallel=partial_expert_data_parallel)
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    """Number of ranks in this rank's tensor-parallel group."""
+    try:
+        return _TP_SIZE
+    except NameError:
+        return answer("get_tensor_model_parallel_world_size")
+
+
+def get_tensor_model_parallel_rank() -> int:
+    """This rank's index in its tensor-parallel group."""
+    try:
+        return _TP_RANK
+    except NameError:
+        return answer("get_tensor_model_parallel_rank")
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    """Number of pipeline stages."""
+    try:
+        return _PP_SIZE
+    except NameError:
+        return answer("get_pipeline_model_parallel_world_size")
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    """This rank's pipeline stage."""
+    try:
+        return _PP_RANK
+    except NameError:
+        return answer("get_pipeline_model_parallel_rank")
+
+
+def get_context_parallel_world_size() -> int:
+    """Number of ranks in this rank's context-parallel group."""
+    try:
+        return _CP_SIZE
+    except NameError:
+        return answer("get_context_parallel_world_size")
+
+
+def get_context_parallel_rank() -> int:
+    """This rank's index in its context-parallel group."""
+    try:
+        return _CP_RANK
+    except NameError:
+        return answer("get_context_parallel_rank")
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    """Number of ranks in this rank's tp x cp group."""
+    try:
+        return _TP_CP_SIZE
+    except NameError:
+        return answer("get_tensor_and_context_parallel_world_size")
+
+
+def get_tensor_and_context_parallel_rank() -> int:
+    """This rank's index in its tp x cp group."""
+    try:
+        return _TP_CP_RANK
+    except NameError:
+        return answer("get_tensor_and_context_parallel_rank")
+
+
+if releases.in_use() in ("0.16", "0.17", "0.18"):
+    def get_data_parallel_world_size(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+        """Number of ranks in this rank's data-parallel group."""
+        try:
+            if not with_context_parallel:
+                if not partial_data_parallel:
+                    return _GTP_DP_SIZE
+            elif with_context_parallel is True:
+                if not partial_data_parallel:
+                    return _GTP_DP_CP_SIZE
+                elif partial_data_parallel is True:
+                    return _GTP_DP_CP_INTRA_SIZE
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_world_size", with_context_parallel=with_context_parallel,
+            partial_data_parallel=partial_data_parallel,
+        )
+elif releases.in_use() == "0.19":
+    def get_data_parallel_world_size(
+        with_context_parallel: bool = False, with_gtp_remat: bool = True, partial_data_parallel: bool = False,
+    ) -> int:
+        """Number of ranks in this rank's data-parallel group."""
+        try:
+            if not with_context_parallel:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_SIZE
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_SIZE
+            elif with_context_parallel is True:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_CP_SIZE
+                    elif partial_data_parallel is True:
+                        return _GTP_DP_CP_INTRA_SIZE
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_CP_SIZE
+                    elif partial_data_parallel is True:
+                        return _DP_CP_INTRA_SIZE
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_world_size", with_context_parallel=with_context_parallel, with_gtp_remat=with_gtp_remat,
+            partial_data_parallel=partial_data_parallel,
+        )
+else:  # any release parallel_state does not know
+    def get_data_parallel_world_size(
+        with_context_parallel: bool = False, *beyond, with_gtp_remat: bool = True, partial_data_parallel: bool = False,
+    ) -> int:
+        """Number of ranks in this rank's data-parallel group."""
+        if beyond:
+            releases.refuse("get_data_parallel_world_size()", 1, len(beyond))
+        try:
+            if not with_context_parallel:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_SIZE
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_SIZE
+            elif with_context_parallel is True:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_CP_SIZE
+                    elif partial_data_parallel is True:
+                        return _GTP_DP_CP_INTRA_SIZE
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_CP_SIZE
+                    elif partial_data_parallel is True:
+                        return _DP_CP_INTRA_SIZE
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_world_size", with_context_parallel=with_context_parallel, with_gtp_remat=with_gtp_remat,
+            partial_data_parallel=partial_data_parallel,
+        )
+
+
+if releases.in_use() in ("0.16", "0.17", "0.18"):
+    def get_data_parallel_rank(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+        """This rank's index in its data-parallel group."""
+        try:
+            if not with_context_parallel:
+                if not partial_data_parallel:
+                    return _GTP_DP_RANK
+            elif with_context_parallel is True:
+                if not partial_data_parallel:
+                    return _GTP_DP_CP_RANK
+                elif partial_data_parallel is True:
+                    return _GTP_DP_CP_INTRA_RANK
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_rank", with_context_parallel=with_context_parallel,
+            partial_data_parallel=partial_data_parallel,
+        )
+elif releases.in_use() == "0.19":
+    def get_data_parallel_rank(
+        with_context_parallel: bool = False, with_gtp_remat: bool = True, partial_data_parallel: bool = False,
+    ) -> int:
+        """This rank's index in its data-parallel group."""
+        try:
+            if not with_context_parallel:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_RANK
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_RANK
+            elif with_context_parallel is True:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_CP_RANK
+                    elif partial_data_parallel is True:
+                        return _GTP_DP_CP_INTRA_RANK
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_CP_RANK
+                    elif partial_data_parallel is True:
+                        return _DP_CP_INTRA_RANK
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_rank", with_context_parallel=with_context_parallel, with_gtp_remat=with_gtp_remat,
+            partial_data_parallel=partial_data_parallel,
+        )
+else:  # any release parallel_state does not know
+    def get_data_parallel_rank(
+        with_context_parallel: bool = False, *beyond, with_gtp_remat: bool = True, partial_data_parallel: bool = False,
+    ) -> int:
+        """This rank's index in its data-parallel group."""
+        if beyond:
+            releases.refuse("get_data_parallel_rank()", 1, len(beyond))
+        try:
+            if not with_context_parallel:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_RANK
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_RANK
+            elif with_context_parallel is True:
+                if with_gtp_remat is True:
+                    if not partial_data_parallel:
+                        return _GTP_DP_CP_RANK
+                    elif partial_data_parallel is True:
+                        return _GTP_DP_CP_INTRA_RANK
+                elif not with_gtp_remat:
+                    if not partial_data_parallel:
+                        return _DP_CP_RANK
+                    elif partial_data_parallel is True:
+                        return _DP_CP_INTRA_RANK
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_data_parallel_rank", with_context_parallel=with_context_parallel, with_gtp_remat=with_gtp_remat,
+            partial_data_parallel=partial_data_parallel,
+        )
+
+
+def get_expert_model_parallel_world_size() -> int:
+    """Number of ranks in this rank's expert-parallel group."""
+    try:
+        return _EP_SIZE
+    except NameError:
+        return answer("get_expert_model_parallel_world_size")
+
+
+def get_expert_model_parallel_rank() -> int:
+    """This rank's index in its expert-parallel group."""
+    try:
+        return _EP_RANK
+    except NameError:
+        return answer("get_expert_model_parallel_rank")
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    """Number of ranks in this rank's expert-tensor group."""
+    try:
+        return _ETP_SIZE
+    except NameError:
+        return answer("get_expert_tensor_parallel_world_size")
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    """This rank's index in its expert-tensor-parallel group."""
+    try:
+        return _ETP_RANK
+    except NameError:
+        return answer("get_expert_tensor_parallel_rank")
+
+
+def get_expert_tensor_and_model_parallel_world_size() -> int:
+    """Size of this rank's expert tp x ep group."""
+    try:
+        return _ETP_EP_SIZE
+    except NameError:
+        return answer("get_expert_tensor_and_model_parallel_world_size")
+
+
+def get_expert_tensor_and_model_parallel_rank() -> int:
+    """This rank's index in its expert tp x ep group."""
+    try:
+        return _ETP_EP_RANK
+    except NameError:
+        return answer("get_expert_tensor_and_model_parallel_rank")
+
+
+if releases.in_use() in ("0.16", "0.17", "0.18"):
+    def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
+        """Number of ranks in this rank's expert data-parallel group."""
+        try:
+            if not partial_expert_data_parallel:
+                return _EGTP_EDP_SIZE
+            elif partial_expert_data_parallel is True:
+                return _EGTP_EDP_INTRA_SIZE
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer("get_expert_data_parallel_world_size", partial_expert_data_parallel=partial_expert_data_parallel)
+elif releases.in_use() == "0.19":
+    def get_expert_data_parallel_world_size(
+        with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False,
+    ) -> int:
+        """Number of ranks in this rank's expert data-parallel group."""
+        try:
+            if with_gtp_remat is True:
+                if not partial_expert_data_parallel:
+                    return _EGTP_EDP_SIZE
+                elif partial_expert_data_parallel is True:
+                    return _EGTP_EDP_INTRA_SIZE
+            elif not with_gtp_remat:
+                if not partial_expert_data_parallel:
+                    return _EDP_SIZE
+                elif partial_expert_data_parallel is True:
+                    return _EDP_INTRA_SIZE
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_expert_data_parallel_world_size", with_gtp_remat=with_gtp_remat,
+            partial_expert_data_parallel=partial_expert_data_parallel,
+        )
+else:  # any release parallel_state does not know
+    def get_expert_data_parallel_world_size(
+        *beyond, with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False,
+    ) -> int:
+        """Number of ranks in this rank's expert data-parallel group."""
+        if beyond:
+            releases.refuse("get_expert_data_parallel_world_size()", 0, len(beyond))
+        try:
+            if with_gtp_remat is True:
+                if not partial_expert_data_parallel:
+                    return _EGTP_EDP_SIZE
+                elif partial_expert_data_parallel is True:
+                    return _EGTP_EDP_INTRA_SIZE
+            elif not with_gtp_remat:
+                if not partial_expert_data_parallel:
+                    return _EDP_SIZE
+                elif partial_expert_data_parallel is True:
+                    return _EDP_INTRA_SIZE
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_expert_data_parallel_world_size", with_gtp_remat=with_gtp_remat,
+            partial_expert_data_parallel=partial_expert_data_parallel,
+        )
+
+
+if releases.in_use() in ("0.16", "0.17", "0.18"):
+    def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
+        """This rank's index in its expert data-parallel group."""
+        try:
+            if not partial_expert_data_parallel:
+                return _EGTP_EDP_RANK
+            elif partial_expert_data_parallel is True:
+                return _EGTP_EDP_INTRA_RANK
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer("get_expert_data_parallel_rank", partial_expert_data_parallel=partial_expert_data_parallel)
+elif releases.in_use() == "0.19":
+    def get_expert_data_parallel_rank(with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False) -> int:
+        """This rank's index in its expert data-parallel group."""
+        try:
+            if with_gtp_remat is True:
+                if not partial_expert_data_parallel:
+                    return _EGTP_EDP_RANK
+                elif partial_expert_data_parallel is True:
+                    return _EGTP_EDP_INTRA_RANK
+            elif not with_gtp_remat:
+                if not partial_expert_data_parallel:
+                    return _EDP_RANK
+                elif partial_expert_data_parallel is True:
+                    return _EDP_INTRA_RANK
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_expert_data_parallel_rank", with_gtp_remat=with_gtp_remat,
+            partial_expert_data_parallel=partial_expert_data_parallel,
+        )
+else:  # any release parallel_state does not know
+    def get_expert_data_parallel_rank(
+        *beyond, with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False,
+    ) -> int:
+        """This rank's index in its expert data-parallel group."""
+        if beyond:
+            releases.refuse("get_expert_data_parallel_rank()", 0, len(beyond))
+        try:
+            if with_gtp_remat is True:
+                if not partial_expert_data_parallel:
+                    return _EGTP_EDP_RANK
+                elif partial_expert_data_parallel is True:
+                    return _EGTP_EDP_INTRA_RANK
+            elif not with_gtp_remat:
+                if not partial_expert_data_parallel:
+                    return _EDP_RANK
+                elif partial_expert_data_parallel is True:
+                    return _EDP_INTRA_RANK
+        except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+            pass
+        return answer(
+            "get_expert_data_parallel_rank", with_gtp_remat=with_gtp_remat,
+            partial_expert_data_parallel=partial_expert_data_parallel,
+        )
+
+
+def get_gtp_weight_remat_world_size() -> int:
+    """Number of ranks in this rank's gtp_remat group (0 without one)."""
+    try:
+        return _GTP_SIZE
+    except NameError:
+        return answer("get_gtp_weight_remat_world_size")
+
+
+def get_gtp_weight_remat_rank() -> int:
+    """This rank's index in its gtp_remat group (0 without one)."""
+    try:
+        return _GTP_RANK
+    except NameError:
+        return answer("get_gtp_weight_remat_rank")
+
+
+def get_expert_gtp_weight_remat_world_size() -> int:
+    """Number of ranks in this rank's expert gtp_remat group (0 without one)."""
+    try:
+        return _EGTP_SIZE
+    except NameError:
+        return answer("get_expert_gtp_weight_remat_world_size")
+
+
+def get_expert_gtp_weight_remat_rank() -> int:
+    """This rank's index in its expert gtp_remat group (0 without one)."""
+    try:
+        return _EGTP_RANK
+    except NameError:
+        return answer("get_expert_gtp_weight_remat_rank")
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> int | None:
+    """The interleaved schedule's number of model chunks per stage, or None."""
+    try:
+        return _VPP_SIZE
+    except NameError:
+        return answer("get_virtual_pipeline_model_parallel_world_size")
+
+
+def get_virtual_pipeline_model_parallel_rank() -> int | None:
+    """The interleaved schedule's current model chunk, or None."""
+    try:
+        return _VPP_RANK
+    except NameError:
+        return answer("get_virtual_pipeline_model_parallel_rank")
+
+
+def get_model_parallel_src_rank() -> int:
+    """Global rank of the first member of this rank's tp x pp group."""
+    try:
+        return _TP_PP_SRC
+    except NameError:
+        return answer("get_model_parallel_src_rank")
+
+
+def get_expert_model_parallel_src_rank() -> int:
+    """First global rank of this rank's expert-parallel group."""
+    try:
+        return _EP_SRC
+    except NameError:
+        return answer("get_expert_model_parallel_src_rank")
+
+
+def get_pipeline_model_parallel_first_rank() -> int:
+    """Global rank of the first stage of this rank's pipeline."""
+    try:
+        return _PP_FIRST
+    except NameError:
+        return answer("get_pipeline_model_parallel_first_rank")
+
+
+def get_pipeline_model_parallel_last_rank() -> int:
+    """Global rank of the last stage of this rank's pipeline."""
+    try:
+        return _PP_LAST
+    except NameError:
+        return answer("get_pipeline_model_parallel_last_rank")
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    """Global rank of the next stage; the last stage's next is the first (a ring)."""
+    try:
+        return _PP_NEXT
+    except NameError:
+        return answer("get_pipeline_model_parallel_next_rank")
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    """Global rank of the previous stage; the first stage's previous is the last (a ring)."""
+    try:
+        return _PP_PREV
+    except NameError:
+        return answer("get_pipeline_model_parallel_prev_rank")
+
+
+def get_all_ranks() -> str:
+    """This rank's tp, dp, cp, pp and ep ranks joined by '_' (megatron-core's format)."""
+    try:
+        return _ALL_RANKS
+    except NameError:
+        return answer("get_all_ranks")
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """First global rank of this rank's tensor-parallel group."""
+    try:
+        return _TP_SRC
+    except NameError:
+        return answer("get_tensor_model_parallel_src_rank")
+
+
+def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
+    """Global rank of the first member of this rank's data-parallel group."""
+    try:
+        if not with_context_parallel:
+            return _DP_SRC
+        elif with_context_parallel is True:
+            return _DP_CP_SRC
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer("get_data_parallel_src_rank", with_context_parallel=with_context_parallel)
+
+
+def is_rank_in_position_embedding_group() -> bool:
+    """Whether this rank holds position embeddings."""
+    try:
+        return _POS_EMBD_IN
+    except NameError:
+        return answer("is_rank_in_position_embedding_group")
+
+
+def get_tp_group(with_context_parallel: bool = False) -> Any:
+    """This rank's tensor-parallel group (tp x cp with ``with_context_parallel``)."""
+    try:
+        if not with_context_parallel:
+            return _TP_GROUP
+        elif with_context_parallel is True:
+            return _TP_CP_GROUP
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer("get_tp_group", with_context_parallel=with_context_parallel)
+
+
+def get_tp_rank(with_context_parallel: bool = False) -> int:
+    """This rank's index in its tensor-parallel group (tp x cp with ``with_context_parallel``)."""
+    try:
+        if not with_context_parallel:
+            return _TP_RANK
+        elif with_context_parallel is True:
+            return _TP_CP_RANK
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer("get_tp_rank", with_context_parallel=with_context_parallel)
+
+
+def get_tp_world_size(with_context_parallel: bool = False) -> int:
+    """Number of ranks in this rank's tensor-parallel group (tp x cp with ``with_context_parallel``)."""
+    try:
+        if not with_context_parallel:
+            return _TP_SIZE
+        elif with_context_parallel is True:
+            return _TP_CP_SIZE
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer("get_tp_world_size", with_context_parallel=with_context_parallel)
+
+
+def get_tensor_model_parallel_ranks(
+    with_context_parallel: bool = False, check_initialized: bool = True,
+) -> list[int]:
+    """Global ranks of this rank's tp (or tp x cp) group."""
+    try:
+        if not with_context_parallel:
+            return _TP_RANKS
+        elif with_context_parallel is True:
+            return _TP_CP_RANKS
+    except NameError:  # an answer absent: answer() gives megatron-core's fallback or says why
+        pass
+    return answer(
+        "get_tensor_model_parallel_ranks", with_context_parallel=with_context_parallel,
+        check_initialized=check_initialized,
+    )
+# </generated: accessors>
+
+
+def _refresh() -> None:
+    """Set every fast-path global from the answers; remove those with no answer."""
+    namespace = globals()
+    for variable, key in VARIABLES.items():
+        try:
+            namespace[variable] = _A[key]
+        except KeyError:
+            namespace.pop(variable, None)
+
+
+_refresh()
+_st.on_change(_refresh)  # registered after answers.refresh (imported above), so it reads fresh answers
+
+
+# --- the accessors written by hand -----------------------------------------------------------
+
+# The keys they read, made once (making a key costs more than reading its answer).
+_KEY_DP_EXISTS, _KEY_DP_CP_GROUP, _KEY_HYBRID_GROUPS = DP.key(Fact.EXISTS), DP_CP.key(Fact.GROUP), HYBRID.key(Fact.GROUPS)
+_KEY_PP_IS_FIRST, _KEY_PP_IS_LAST = PP.key(Fact.IS_FIRST), PP.key(Fact.IS_LAST)
+_KEY_EMBD_IN, _KEY_EMBD_RANKS = EMBD.key(Fact.IN), EMBD.key(Fact.RANKS)
 
 
 def is_unitialized() -> bool:
     """Deprecated megatron-core spelling of ``not is_initialized()``."""
     # Level 1, as megatron-core: a deeper level walks frames on every call of a hot deprecated name.
     warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, 1)
-    return not _A.get(_DP_EXISTS, False)
-
-
-# --- groups ----------------------------------------------------------------------------------
-
-get_model_parallel_group = _group(TP_PP.key(Fact.GROUP), "This rank's model-parallel (tp x pp) group.")
-get_tensor_model_parallel_group = _group(TP.key(Fact.GROUP), "This rank's tensor-model-parallel group.")
-get_pipeline_model_parallel_group = _group(PP.key(Fact.GROUP), "This rank's pipeline-model-parallel group.")
-get_context_parallel_group = _group(CP.key(Fact.GROUP), "This rank's context-parallel group.")
-get_tensor_and_context_parallel_group = _group(TP_CP.key(Fact.GROUP), "This rank's tensor x context-parallel group.")
-get_embedding_group = _group(EMBD.key(Fact.GROUP), "This rank's embedding group (the stages holding word embeddings).")
-get_position_embedding_group = _group(POS_EMBD.key(Fact.GROUP), "This rank's position-embedding group.")
-get_context_parallel_global_ranks = _group(CP.key(Fact.RANKS), "Global ranks of this rank's context-parallel group.")
-get_hierarchical_context_parallel_groups = _group(
-    HCP.key(Fact.GROUPS), "This rank's hierarchical context-parallel groups, innermost level first.")
-get_expert_model_parallel_group = _group(EP.key(Fact.GROUP), "This rank's expert-model-parallel group.")
-get_expert_tensor_parallel_group = _group(ETP.key(Fact.GROUP), "This rank's expert-tensor-parallel group.")
-get_expert_tensor_and_model_parallel_group = _group(ETP_EP.key(Fact.GROUP), "This rank's expert tp x ep group.")
-get_gtp_weight_remat_group = _group(
-    GTP.key(Fact.GROUP), "This rank's generalized tensor-parallel (gtp_remat) weight-sharding group (megatron-core 0.19).")
-get_gtp_weight_remat_global_ranks = _group(GTP.key(Fact.RANKS), "Global ranks of this rank's gtp_remat group.")
-get_expert_gtp_weight_remat_group = _group(
-    EGTP.key(Fact.GROUP), "This rank's expert gtp_remat weight-sharding group (megatron-core 0.19).")
-get_expert_gtp_weight_remat_global_ranks = _group(
-    EGTP.key(Fact.RANKS), "Global ranks of this rank's expert gtp_remat group.")
-
-
-def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool, with_egtp_remat: bool) -> Any:
-    """This rank's expert tp x ep x pp group (merged across expert gtp_remat peers with ``with_egtp_remat``)."""
-    key = _ETP_EP_EGTP_PP_GROUP if flag("with_egtp_remat", with_egtp_remat) else _ETP_EP_PP_GROUP
-    return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
-
-
-get_intra_distributed_optimizer_instance_group = _group(
-    DIST_OPT.key(Fact.GROUP), "The group of every rank in this rank's distributed-optimizer instance.")
-get_inter_distributed_optimizer_instance_group = _group(
-    EDP_INTER.key(Fact.GROUP), "The group spanning the distributed-optimizer instances (one rank of each).")
-
-
-def get_data_parallel_group(with_context_parallel: bool, with_gtp_remat: bool, partial_data_parallel: bool,
-                            independent_all_gather: bool) -> Any:
-    """This rank's data-parallel group: dp x cp with ``with_context_parallel``; spanning gtp_remat unless
-    ``with_gtp_remat=False`` (0.19: the replicate group); its instance's part, or 0.16/0.17's separate
-    all-gather group, on request."""
-    cp, partial = flag("with_context_parallel", with_context_parallel), flag("partial_data_parallel", partial_data_parallel)
-    if flag("independent_all_gather", independent_all_gather) and cp and not partial:
-        return _lookup(_DP_CP_AG_GROUP)
-    return _lookup(_dp_key(_DP_GROUP, cp, partial, with_gtp_remat))
-
-
-def has_separate_all_gather_group() -> bool:
-    """Whether initialize made a separate dp x cp group for all-gathers (create_all_gather_group=True)."""
-    return _A.get(_DP_CP_AG_GROUP) is not None
-
-
-_fast(has_separate_all_gather_group, default=DP_CP_AG.key(Fact.EXISTS))
-
-
-def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> Any:
-    """This rank's gloo data-parallel group (dp x cp with ``with_context_parallel``)."""
-    if with_context_parallel is False and partial_data_parallel is False:
-        return _lookup(_DP_GLOO[(False, False, False)])
-    return _lookup(_dp_key(_DP_GLOO, with_context_parallel, partial_data_parallel, False))
-
-
-def get_tensor_and_data_parallel_group(check_initialized: bool = True, with_context_parallel: bool = False) -> Any:
-    """This rank's tp x dp group (tp x dp x cp with ``with_context_parallel``)."""
-    key = _TP_DP_CP_GROUP if flag("with_context_parallel", with_context_parallel) else _TP_DP_GROUP
-    return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
-
-
-def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_red: bool = False) -> Any:
-    """The FP8 amax-reduction group: tp x dp (x cp), or tp (x cp) with ``tp_only_amax_red``."""
-    cp = flag("with_context_parallel", with_context_parallel)
-    if flag("tp_only_amax_red", tp_only_amax_red):
-        return _lookup(_TP_CP_GROUP if cp else _TP_GROUP)
-    return _lookup(_TP_DP_CP_GROUP if cp else _TP_DP_GROUP)
+    return not _A.get(_KEY_DP_EXISTS, False)
 
 
 def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, group_size: int | None = None) -> Any:
@@ -270,8 +1260,8 @@ def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, grou
     if not check and INITIALIZED not in _A:
         return None
     if group_size == get_data_parallel_world_size(with_context_parallel=True):
-        return _lookup(_DP_CP_GROUP) if check else _A.get(_DP_CP_GROUP)
-    groups = _lookup(_HYBRID_GROUPS) if check else _A.get(_HYBRID_GROUPS)
+        return _lookup(_KEY_DP_CP_GROUP) if check else _A.get(_KEY_DP_CP_GROUP)
+    groups = _lookup(_KEY_HYBRID_GROUPS) if check else _A.get(_KEY_HYBRID_GROUPS)
     if groups is None:
         return None
     if group_size not in groups:
@@ -283,92 +1273,66 @@ def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, grou
     return groups[group_size]
 
 
-def get_expert_data_parallel_group(check_initialized: bool, with_gtp_remat: bool,
-                                   partial_expert_data_parallel: bool) -> Any:
-    """This rank's expert data-parallel group: spanning expert gtp_remat unless ``with_gtp_remat=False``
-    (0.19: the replicate group); its instance's part with ``partial_expert_data_parallel``."""
-    key = _edp_key(_EDP_GROUP, with_gtp_remat, partial_expert_data_parallel)
-    return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
+def get_tensor_model_parallel_last_rank(with_context_parallel: bool = False) -> int:
+    """Global rank of the last member of this rank's tp (or tp x cp) group."""
+    return get_tensor_model_parallel_ranks(with_context_parallel)[-1]
 
 
-def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = False) -> Any:
-    """Deprecated megatron-core name of get_expert_data_parallel_group."""
-    warnings.warn("get_data_modulo_expert_parallel_group is deprecated, please use "
-                  "get_expert_data_parallel_group instead.", DeprecationWarning, 1)
-    return _lookup(_edp_key(_EDP_GROUP, False, partial_expert_data_parallel))
+# --- megatron-core's testing hooks: each overrides one answer (checked by state.set_override) ----------
+
+def set_tensor_model_parallel_world_size(world_size: int | None) -> None:
+    """Override the tensor model parallel world size (megatron-core's testing hook); None clears it."""
+    _st.set_override(Override.TENSOR_MODEL_PARALLEL_WORLD_SIZE, world_size)
 
 
-def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False) -> Any:
-    """This rank's gloo expert data-parallel group."""
-    partial = flag("partial_expert_data_parallel", partial_expert_data_parallel)
-    return _lookup(_EDP_INTRA_GLOO if partial else _EDP_GLOO)
+def set_tensor_model_parallel_rank(rank: int | None) -> None:
+    """Override the tensor model parallel rank (megatron-core's testing hook); None clears it."""
+    _st.set_override(Override.TENSOR_MODEL_PARALLEL_RANK, rank)
 
 
-# --- ranks and sizes -------------------------------------------------------------------------
-
-get_tensor_model_parallel_world_size = _value(TP.key(Fact.SIZE), "Number of ranks in this rank's tensor-parallel group.")
-get_tensor_model_parallel_rank = _value(TP.key(Fact.RANK), "This rank's index in its tensor-parallel group.")
-get_pipeline_model_parallel_world_size = _value(PP.key(Fact.SIZE), "Number of pipeline stages.")
-get_pipeline_model_parallel_rank = _value(PP.key(Fact.RANK), "This rank's pipeline stage.")
-get_context_parallel_world_size = _value(CP.key(Fact.SIZE), "Number of ranks in this rank's context-parallel group.")
-get_context_parallel_rank = _value(CP.key(Fact.RANK), "This rank's index in its context-parallel group.")
-get_tensor_and_context_parallel_world_size = _value(TP_CP.key(Fact.SIZE), "Number of ranks in this rank's tp x cp group.")
-get_tensor_and_context_parallel_rank = _value(TP_CP.key(Fact.RANK), "This rank's index in its tp x cp group.")
-get_data_parallel_world_size = _dp_number(Fact.SIZE, "Number of ranks in this rank's data-parallel group.")
-get_data_parallel_rank = _dp_number(Fact.RANK, "This rank's index in its data-parallel group.")
-get_expert_model_parallel_world_size = _value(EP.key(Fact.SIZE), "Number of ranks in this rank's expert-parallel group.")
-get_expert_model_parallel_rank = _value(EP.key(Fact.RANK), "This rank's index in its expert-parallel group.")
-get_expert_tensor_parallel_world_size = _value(ETP.key(Fact.SIZE), "Number of ranks in this rank's expert-tensor group.")
-get_expert_tensor_parallel_rank = _value(ETP.key(Fact.RANK), "This rank's index in its expert-tensor-parallel group.")
-get_expert_tensor_and_model_parallel_world_size = _value(ETP_EP.key(Fact.SIZE), "Size of this rank's expert tp x ep group.")
-get_expert_tensor_and_model_parallel_rank = _value(ETP_EP.key(Fact.RANK), "This rank's index in its expert tp x ep group.")
-get_expert_data_parallel_world_size = _edp_number(
-    Fact.SIZE, "Number of ranks in this rank's expert data-parallel group.")
-get_expert_data_parallel_rank = _edp_number(Fact.RANK, "This rank's index in its expert data-parallel group.")
-get_gtp_weight_remat_world_size = _value(
-    GTP.key(Fact.SIZE), "Number of ranks in this rank's gtp_remat group (0 without one).")
-get_gtp_weight_remat_rank = _value(GTP.key(Fact.RANK), "This rank's index in its gtp_remat group (0 without one).")
-get_expert_gtp_weight_remat_world_size = _value(
-    EGTP.key(Fact.SIZE), "Number of ranks in this rank's expert gtp_remat group (0 without one).")
-get_expert_gtp_weight_remat_rank = _value(
-    EGTP.key(Fact.RANK), "This rank's index in its expert gtp_remat group (0 without one).")
-get_virtual_pipeline_model_parallel_world_size = _value(
-    VPP_SIZE, "The interleaved schedule's number of model chunks per stage, or None.")
-get_virtual_pipeline_model_parallel_rank = _value(VPP_RANK, "The interleaved schedule's current model chunk, or None.")
-
-get_model_parallel_src_rank = _value(TP_PP.key(Fact.SRC), "Global rank of the first member of this rank's tp x pp group.")
-get_expert_model_parallel_src_rank = _value(EP.key(Fact.SRC), "First global rank of this rank's expert-parallel group.")
-get_pipeline_model_parallel_first_rank = _value(
-    PP.key(Fact.FIRST), "Global rank of the first stage of this rank's pipeline.")
-get_pipeline_model_parallel_last_rank = _value(PP.key(Fact.LAST), "Global rank of the last stage of this rank's pipeline.")
-get_pipeline_model_parallel_next_rank = _value(
-    PP.key(Fact.NEXT), "Global rank of the next stage; the last stage's next is the first (a ring).")
-get_pipeline_model_parallel_prev_rank = _value(
-    PP.key(Fact.PREV), "Global rank of the previous stage; the first stage's previous is the last (a ring).")
-get_all_ranks = _value(ALL_RANKS, "This rank's tp, dp, cp, pp and ep ranks joined by '_' (megatron-core's format).")
+def set_pipeline_model_parallel_world_size(world_size: int | None) -> None:
+    """Override the pipeline model parallel world size (megatron-core's testing hook); None clears it."""
+    _st.set_override(Override.PIPELINE_MODEL_PARALLEL_WORLD_SIZE, world_size)
 
 
-def get_tensor_model_parallel_src_rank() -> int:
-    """First global rank of this rank's tensor-parallel group."""
-    return _lookup(_TP_SRC)
+def set_pipeline_model_parallel_rank(rank: int | None) -> None:
+    """Override the pipeline model parallel rank (megatron-core's testing hook); None clears it."""
+    _st.set_override(Override.PIPELINE_MODEL_PARALLEL_RANK, rank)
 
 
-def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
-    """Global rank of the first member of this rank's data-parallel group."""
-    return _lookup(_DP_CP_SRC if flag("with_context_parallel", with_context_parallel) else _DP_SRC)
+def set_data_parallel_rank(rank: int | None) -> None:
+    """Override the data parallel rank (megatron-core's testing hook); None clears it."""
+    _st.set_override(Override.DATA_PARALLEL_RANK, rank)
 
 
-set_tensor_model_parallel_world_size = _setter(Override.TENSOR_MODEL_PARALLEL_WORLD_SIZE, "world_size")
-set_tensor_model_parallel_rank = _setter(Override.TENSOR_MODEL_PARALLEL_RANK, "rank")
-set_pipeline_model_parallel_world_size = _setter(Override.PIPELINE_MODEL_PARALLEL_WORLD_SIZE, "world_size")
-set_pipeline_model_parallel_rank = _setter(Override.PIPELINE_MODEL_PARALLEL_RANK, "rank")
-set_data_parallel_rank = _setter(Override.DATA_PARALLEL_RANK, "rank")
-set_virtual_pipeline_model_parallel_world_size = _setter(Override.VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE, "world_size")
-set_virtual_pipeline_model_parallel_rank = _setter(Override.VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, "rank")
-set_expert_model_parallel_world_size = _setter(Override.EXPERT_MODEL_PARALLEL_WORLD_SIZE, "world_size")
-set_expert_model_parallel_rank = _setter(Override.EXPERT_MODEL_PARALLEL_RANK, "rank")
-set_expert_tensor_parallel_world_size = _setter(Override.EXPERT_TENSOR_PARALLEL_WORLD_SIZE, "world_size")
-set_expert_tensor_parallel_rank = _setter(Override.EXPERT_TENSOR_PARALLEL_RANK, "rank")
+def set_virtual_pipeline_model_parallel_world_size(world_size: int | None) -> None:
+    """Override the virtual pipeline model parallel world size (megatron-core's testing hook); None clears it."""
+    _st.set_override(Override.VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE, world_size)
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
+    """Override the virtual pipeline model parallel rank (megatron-core's testing hook); None clears it."""
+    _st.set_override(Override.VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, rank)
+
+
+def set_expert_model_parallel_world_size(world_size: int | None) -> None:
+    """Override the expert model parallel world size (megatron-core's testing hook); None clears it."""
+    _st.set_override(Override.EXPERT_MODEL_PARALLEL_WORLD_SIZE, world_size)
+
+
+def set_expert_model_parallel_rank(rank: int | None) -> None:
+    """Override the expert model parallel rank (megatron-core's testing hook); None clears it."""
+    _st.set_override(Override.EXPERT_MODEL_PARALLEL_RANK, rank)
+
+
+def set_expert_tensor_parallel_world_size(world_size: int | None) -> None:
+    """Override the expert tensor parallel world size (megatron-core's testing hook); None clears it."""
+    _st.set_override(Override.EXPERT_TENSOR_PARALLEL_WORLD_SIZE, world_size)
+
+
+def set_expert_tensor_parallel_rank(rank: int | None) -> None:
+    """Override the expert tensor parallel rank (megatron-core's testing hook); None clears it."""
+    _st.set_override(Override.EXPERT_TENSOR_PARALLEL_RANK, rank)
 
 
 # --- pipeline stages -------------------------------------------------------------------------
@@ -389,7 +1353,7 @@ def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = 
         vpp = _lookup(VPP_SIZE)
         if vpp is not None and _vp_stage(vp_stage, vpp) != 0:
             return False
-    return _lookup(_PP_IS_FIRST)
+    return _A[_KEY_PP_IS_FIRST] if _KEY_PP_IS_FIRST in _A else _lookup(_KEY_PP_IS_FIRST)  # no call where it is there
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
@@ -398,18 +1362,18 @@ def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = N
         vpp = _lookup(VPP_SIZE)
         if vpp is not None and _vp_stage(vp_stage, vpp) != vpp - 1:
             return False
-    return _lookup(_PP_IS_LAST)
+    return _A[_KEY_PP_IS_LAST] if _KEY_PP_IS_LAST in _A else _lookup(_KEY_PP_IS_LAST)  # no call where it is there
 
 
 def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether this rank holds word embeddings (unless ignore_virtual: in the model chunk that does)."""
-    if _A.get(_EMBD_IN) is not True:
+    if _KEY_EMBD_IN not in _A or _A[_KEY_EMBD_IN] is not True:
         return False
     if ignore_virtual is True or flag("ignore_virtual", ignore_virtual):
         return True
     import torch.distributed as dist
 
-    ranks, rank = _lookup(_EMBD_RANKS), dist.get_rank()
+    ranks, rank = _lookup(_KEY_EMBD_RANKS), dist.get_rank()
     if rank == ranks[0]:
         return is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if rank == ranks[-1]:
@@ -417,73 +1381,7 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
     return True
 
 
-def is_rank_in_position_embedding_group() -> bool:
-    """Whether this rank holds position embeddings."""
-    return _A.get(_POS_EMBD_IN) is True
-
-
-# --- the short names MAGI-1 and WorldFoundry call ---------------------------------------------
-
-def get_tp_group(with_context_parallel: bool = False) -> Any:
-    """This rank's tensor-parallel group (tp x cp with ``with_context_parallel``)."""
-    return _lookup(_TP_CP_GROUP if flag("with_context_parallel", with_context_parallel) else _TP_GROUP)
-
-
-def get_tp_rank(with_context_parallel: bool = False) -> int:
-    """This rank's index in its tensor-parallel group (tp x cp with ``with_context_parallel``)."""
-    return _lookup(_TP_CP_RANK if flag("with_context_parallel", with_context_parallel) else _TP_RANK)
-
-
-def get_tp_world_size(with_context_parallel: bool = False) -> int:
-    """Number of ranks in this rank's tensor-parallel group (tp x cp with ``with_context_parallel``)."""
-    return _lookup(_TP_CP_SIZE if flag("with_context_parallel", with_context_parallel) else _TP_SIZE)
-
-
-def get_tensor_model_parallel_ranks(with_context_parallel: bool = False, check_initialized: bool = True) -> Any:
-    """Global ranks of this rank's tp (or tp x cp) group."""
-    key = _TP_CP_RANKS if flag("with_context_parallel", with_context_parallel) else _TP_RANKS
-    return _lookup(key) if flag("check_initialized", check_initialized) else _A.get(key)
-
-
-def get_tensor_model_parallel_last_rank(with_context_parallel: bool = False) -> int:
-    """Global rank of the last member of this rank's tp (or tp x cp) group."""
-    return get_tensor_model_parallel_ranks(with_context_parallel)[-1]
-
-
-for _fn, _variants in {
-    is_initialized: dict(default=_DP_EXISTS), model_parallel_is_initialized: dict(default=INITIALIZED),
-    get_data_parallel_group: dict(default=GTP_DP.key(Fact.GROUP), cp=GTP_DP_CP.key(Fact.GROUP),
-                                  cp_partial=GTP_DP_CP_INTRA.key(Fact.GROUP)),
-    get_data_parallel_group_gloo: dict(default=DP.key(Fact.GLOO), cp=DP_CP.key(Fact.GLOO),
-                                       cp_partial=DP_CP_INTRA.key(Fact.GLOO)),
-    get_tensor_and_data_parallel_group: dict(default=TP_DP.key(Fact.GROUP), cp=TP_DP_CP.key(Fact.GROUP)),
-    get_amax_reduction_group: dict(default=TP_DP.key(Fact.GROUP), cp=TP_DP_CP.key(Fact.GROUP),
-                                   tp_only=TP.key(Fact.GROUP), cp_tp_only=TP_CP.key(Fact.GROUP)),
-    get_expert_data_parallel_group: dict(default=EGTP_EDP.key(Fact.GROUP), partial=EGTP_EDP_INTRA.key(Fact.GROUP)),
-    get_expert_tensor_model_pipeline_parallel_group: dict(default=ETP_EP_PP.key(Fact.GROUP),
-                                                          egtp=ETP_EP_EGTP_PP.key(Fact.GROUP)),
-    get_expert_data_parallel_group_gloo: dict(default=EDP.key(Fact.GLOO), partial=EDP_INTRA.key(Fact.GLOO)),
-    get_data_parallel_src_rank: dict(default=DP.key(Fact.SRC), cp=DP_CP.key(Fact.SRC)),
-    get_tensor_model_parallel_src_rank: dict(default=TP.key(Fact.SRC)),
-    is_pipeline_first_stage: dict(default=PP.key(Fact.IS_FIRST)),
-    is_pipeline_last_stage: dict(default=PP.key(Fact.IS_LAST)),
-    is_rank_in_embedding_group: dict(default=EMBD.key(Fact.IN)),
-    is_rank_in_position_embedding_group: dict(default=POS_EMBD.key(Fact.IN)),
-    get_tp_group: dict(default=TP.key(Fact.GROUP), cp=TP_CP.key(Fact.GROUP)),
-    get_tp_rank: dict(default=TP.key(Fact.RANK), cp=TP_CP.key(Fact.RANK)),
-    get_tp_world_size: dict(default=TP.key(Fact.SIZE), cp=TP_CP.key(Fact.SIZE)),
-    get_tensor_model_parallel_ranks: dict(default=TP.key(Fact.RANKS), cp=TP_CP.key(Fact.RANKS)),
-}.items():
-    _fast(_fn, **_variants)
-
-# Every accessor with a fast path is replaced by its compiled twin (same name, answers; the parameters of
-# the release in use where the release table has the accessor's rows).
-for _name, _fn in list(globals().items()):
-    if callable(_fn) and _fn in _FAST:
-        globals()[_name] = compile_accessor(_fn, _FAST[_fn], name=_name)
-del _name, _fn, _variants
-
-# The short names MAGI-1 and WorldFoundry call, for the compiled accessors.
+# --- the short names MAGI-1 and WorldFoundry call ----------------------------------------------
 get_cp_group = get_context_parallel_group
 get_cp_rank = get_context_parallel_rank
 get_cp_world_size = get_context_parallel_world_size

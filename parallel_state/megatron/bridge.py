@@ -36,7 +36,8 @@ _written: dict[str, Any] = {}
 _megatron_destroy: Callable[[], None] | None = None
 
 
-def _import_megatron() -> Any:
+def import_megatron() -> Any:
+    """``megatron.core.parallel_state``, or an ImportError saying how to install megatron-core."""
     try:
         import megatron.core.parallel_state as mps
     except ImportError as exc:
@@ -82,7 +83,7 @@ def bridge_megatron() -> bool:
     and ParallelStateError when megatron-core already holds groups it built itself.
     """
     global _bridged, _megatron_destroy
-    mps = _import_megatron()
+    mps = import_megatron()
     if _st.peek() is None and not _st.written:
         return False
     clash = megatron_clash()

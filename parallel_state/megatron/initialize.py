@@ -3,35 +3,19 @@
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
 from parallel_state.groups import state as _st
 from parallel_state.groups.nccl import NcclSettings
 from parallel_state.groups.options import BuildOptions
-from parallel_state.topology import codegen, releases
+from parallel_state.topology import releases
 from parallel_state.topology.init_arguments import LOCAL, InitArguments
 from parallel_state.topology.kinds import DP_CP_AG, EDP_AG, EMBD, POS_EMBD
 from parallel_state.topology.plan import TopologyPlan
 
-
-def _made_initialize_model_parallel() -> Callable[..., None]:
-    """``initialize_model_parallel`` as a plain def with the release in use's parameters (``InitArguments``')."""
-    positional = [(name, InitArguments.__dataclass_fields__[name].default) for name in InitArguments.positional()]
-    keyword_only = list(InitArguments.keyword_only())
-    beyond = releases.beyond()
-    names = [name for name, _ in positional + keyword_only]
-    body = [f"    if {beyond}:", f"        refuse(len({beyond}))"] if beyond else []
-    body.append(f"    _initialize(InitArguments.from_call({{{', '.join(f'{n!r}: {n}' for n in names)}}}))")
-    annotations = {p.name: p.annotation for p in InitArguments.signature().parameters.values()}
-    namespace = {"InitArguments": InitArguments, "_initialize": lambda args: _initialize(args),
-                 "refuse": lambda extra: releases.refuse("initialize_model_parallel()", len(positional), extra)}
-    return codegen.define("initialize_model_parallel", codegen.parameter_text(positional, keyword_only, beyond),
-                          "\n".join(body) + "\n", namespace, module=__name__, doc=_DOC,
-                          annotations={**annotations, "return": "None"})
-
-
-_DOC = """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
+#: ``initialize_model_parallel``'s docstring, whichever release's def is the one in use.
+DOC = """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
 
     Takes the keywords of every megatron-core release from 0.16 to 0.19, and its positional
     arguments in the order of the release in use (``parallel_state.megatron_release()``: the
@@ -49,8 +33,106 @@ _DOC = """Build this rank's model-parallel groups, laid out exactly as megatron-
     range it builds nothing.
 """
 
-#: The release in use's initialize_model_parallel (see ``_made_initialize_model_parallel``).
-initialize_model_parallel = _made_initialize_model_parallel()
+# initialize_model_parallel takes the release in use's parameters, then every other release's, the MAGI-1 /
+# WorldFoundry aliases and parallel_state's own, keyword-only (``InitArguments``' fields).
+# <generated: initialize-model-parallel> by `python -m parallel_state.tools.generate` from the release table
+if releases.in_use() == "0.16":
+    def initialize_model_parallel(
+        tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: int | None = None, pipeline_model_parallel_comm_backend: str | None = None,
+        use_sharp: bool = False, context_parallel_size: int = 1,
+        hierarchical_context_parallel_sizes: Sequence[int] | None = None, hybrid_context_parallel: bool = False,
+        expert_model_parallel_size: int = 1, num_distributed_optimizer_instances: int = 1,
+        expert_tensor_parallel_size: int | None = None, nccl_communicator_config_path: str | None = None,
+        distributed_timeout_minutes: int = 30, order: str = "tp-cp-ep-dp-pp",
+        get_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        get_position_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        create_gloo_process_groups: bool = True, high_priority_stream_groups: Sequence[str] | None = None,
+        sharp_enabled_group: str | None = None, create_all_gather_group: bool | None = False, *, gtp_remat_size: int = 1,
+        expert_gtp_remat_size: int = 1, rank_offset: int = 0, local_world_size: int | None = None,
+        tp_size: int | None = None, cp_size: int | None = None, pp_size: int | None = None,
+        timeout: datetime.timedelta | None = None, check_consistency: bool = True, ranks: Sequence[int] | None = None,
+    ) -> None:
+        _initialize(InitArguments.from_call(locals()))  # locals(): the call's arguments, by name
+elif releases.in_use() == "0.17":
+    def initialize_model_parallel(
+        tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: int | None = None, pipeline_model_parallel_comm_backend: str | None = None,
+        use_sharp: bool = False, context_parallel_size: int = 1,
+        hierarchical_context_parallel_sizes: Sequence[int] | None = None, hybrid_context_parallel: bool = False,
+        expert_model_parallel_size: int = 1, num_distributed_optimizer_instances: int = 1,
+        expert_tensor_parallel_size: int | None = None, nccl_communicator_config_path: str | None = None,
+        distributed_timeout_minutes: int = 30, order: str = "tp-cp-ep-dp-pp",
+        get_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        get_position_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        create_gloo_process_groups: bool = True, high_priority_stream_groups: Sequence[str] | None = None,
+        sharp_enabled_group: str | None = None, create_all_gather_group: bool | None = False, rank_offset: int = 0,
+        local_world_size: int | None = None, *, gtp_remat_size: int = 1, expert_gtp_remat_size: int = 1,
+        tp_size: int | None = None, cp_size: int | None = None, pp_size: int | None = None,
+        timeout: datetime.timedelta | None = None, check_consistency: bool = True, ranks: Sequence[int] | None = None,
+    ) -> None:
+        _initialize(InitArguments.from_call(locals()))  # locals(): the call's arguments, by name
+elif releases.in_use() == "0.18":
+    def initialize_model_parallel(
+        tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: int | None = None, pipeline_model_parallel_comm_backend: str | None = None,
+        use_sharp: bool = False, context_parallel_size: int = 1,
+        hierarchical_context_parallel_sizes: Sequence[int] | None = None, hybrid_context_parallel: bool = False,
+        expert_model_parallel_size: int = 1, num_distributed_optimizer_instances: int = 1,
+        expert_tensor_parallel_size: int | None = None, nccl_communicator_config_path: str | None = None,
+        distributed_timeout_minutes: int = 30, order: str = "tp-cp-ep-dp-pp",
+        get_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        get_position_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        create_gloo_process_groups: bool = True, high_priority_stream_groups: Sequence[str] | None = None,
+        sharp_enabled_group: str | None = None, rank_offset: int = 0, local_world_size: int | None = None, *,
+        gtp_remat_size: int = 1, expert_gtp_remat_size: int = 1, create_all_gather_group: bool | None = False,
+        tp_size: int | None = None, cp_size: int | None = None, pp_size: int | None = None,
+        timeout: datetime.timedelta | None = None, check_consistency: bool = True, ranks: Sequence[int] | None = None,
+    ) -> None:
+        _initialize(InitArguments.from_call(locals()))  # locals(): the call's arguments, by name
+elif releases.in_use() == "0.19":
+    def initialize_model_parallel(
+        tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: int | None = None, pipeline_model_parallel_comm_backend: str | None = None,
+        use_sharp: bool = False, context_parallel_size: int = 1,
+        hierarchical_context_parallel_sizes: Sequence[int] | None = None, hybrid_context_parallel: bool = False,
+        expert_model_parallel_size: int = 1, gtp_remat_size: int = 1, expert_gtp_remat_size: int = 1,
+        num_distributed_optimizer_instances: int = 1, expert_tensor_parallel_size: int | None = None,
+        nccl_communicator_config_path: str | None = None, distributed_timeout_minutes: int = 30,
+        order: str = "tp-cp-ep-dp-pp", get_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        get_position_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        create_gloo_process_groups: bool = True, high_priority_stream_groups: Sequence[str] | None = None,
+        sharp_enabled_group: str | None = None, rank_offset: int = 0, local_world_size: int | None = None, *,
+        create_all_gather_group: bool | None = False, tp_size: int | None = None, cp_size: int | None = None,
+        pp_size: int | None = None, timeout: datetime.timedelta | None = None, check_consistency: bool = True,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
+        _initialize(InitArguments.from_call(locals()))  # locals(): the call's arguments, by name
+else:  # any release parallel_state does not know
+    def initialize_model_parallel(
+        tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: int | None = None, pipeline_model_parallel_comm_backend: str | None = None,
+        use_sharp: bool = False, context_parallel_size: int = 1,
+        hierarchical_context_parallel_sizes: Sequence[int] | None = None, hybrid_context_parallel: bool = False,
+        expert_model_parallel_size: int = 1, *beyond, gtp_remat_size: int = 1, expert_gtp_remat_size: int = 1,
+        num_distributed_optimizer_instances: int = 1, expert_tensor_parallel_size: int | None = None,
+        nccl_communicator_config_path: str | None = None, distributed_timeout_minutes: int = 30,
+        order: str = "tp-cp-ep-dp-pp", get_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        get_position_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
+        create_gloo_process_groups: bool = True, high_priority_stream_groups: Sequence[str] | None = None,
+        sharp_enabled_group: str | None = None, create_all_gather_group: bool | None = False, rank_offset: int = 0,
+        local_world_size: int | None = None, tp_size: int | None = None, cp_size: int | None = None,
+        pp_size: int | None = None, timeout: datetime.timedelta | None = None, check_consistency: bool = True,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
+        if beyond:
+            releases.refuse("initialize_model_parallel()", 9, len(beyond))
+        del beyond  # empty
+        _initialize(InitArguments.from_call(locals()))  # locals(): the call's arguments, by name
+
+
+initialize_model_parallel.__doc__ = DOC  # one docstring for every release's def
+# </generated: initialize-model-parallel>
 
 
 def _initialize(args: InitArguments) -> None:
@@ -209,7 +291,7 @@ def _members(args: InitArguments) -> tuple[int, ...] | None:
     """
     import torch.distributed as dist
 
-    from parallel_state.groups.process_groups import _group_members
+    from parallel_state.groups.process_groups import group_members
     from parallel_state.topology import arguments as a
 
     world, me = dist.get_world_size(), dist.get_rank()
@@ -218,7 +300,7 @@ def _members(args: InitArguments) -> tuple[int, ...] | None:
         a.optional_positive_int("local_world_size", args.local_world_size)
         subset = args.subset(world)
         return subset if subset is None or me in subset else ()
-    members = tuple(sorted(_group_members(args.ranks, world)))
+    members = tuple(sorted(group_members(args.ranks, world)))
     if not members:
         raise ParallelStateError("ranks=[] holds no rank; pass the global ranks to build over, or None for all")
     if me not in members:

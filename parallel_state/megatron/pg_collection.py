@@ -10,6 +10,7 @@ release) with the live groups, or, without megatron-core, this module's plain
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from parallel_state.errors import ParallelStateTypeError, ParallelStateValueError
@@ -27,30 +28,54 @@ FIELDS: dict[str, AnswerKey] = {r.field.name: r.answer for r in kinds.FIELDS if 
 OPTIONAL = frozenset(r.field.name for r in kinds.FIELDS if r.field is not None and r.optional)
 
 
-def _use_mpu_process_groups(cls: type, required_pgs: Sequence[str] | None = None) -> Any:
-    """The live topology's groups (only ``required_pgs``, if given), as megatron-core's classmethod."""
-    return process_group_collection(required_pgs, megatron=False)
+@dataclass
+class ProcessGroupCollection:
+    """megatron-core's ``ProcessGroupCollection`` fields, for code that runs without megatron-core.
 
+    Every field holds a ``torch.distributed.ProcessGroup`` (``hcp``: a list of them) or None: one
+    field per kind row's collection field (:data:`FIELDS`), in megatron-core 0.19's order. Fill it from
+    the live topology with :meth:`use_mpu_process_groups` or :func:`parallel_state.process_group_collection`.
+    """
 
-def _repr(self: Any) -> str:
-    sizes = [f"{f.name}({[g.size() for g in v] if isinstance(v, list) else v.size()})"
-             for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None]
-    return f"ProcessGroupCollection({', '.join(sizes) or 'empty'})"
+    # <generated: pg-collection> by `python -m parallel_state.tools.generate` from the kind rows
+    tp: Any = None
+    pp: Any = None
+    mp: Any = None
+    embd: Any = None
+    pos_embd: Any = None
+    cp: Any = None
+    tp_cp: Any = None
+    hcp: Any = None
+    ep: Any = None
+    expt_tp: Any = None
+    tp_ep: Any = None
+    tp_ep_pp: Any = None
+    tp_ep_pp_with_egtp_remat: Any = None
+    tp_dp_cp: Any = None
+    dp: Any = None
+    dp_cp: Any = None
+    dp_cp_gtp_remat: Any = None
+    dp_cp_ag: Any = None
+    gtp_remat: Any = None
+    expt_gtp_remat: Any = None
+    expt_dp: Any = None
+    expt_dp_gtp_remat: Any = None
+    expt_dp_ag: Any = None
+    intra_dp_cp: Any = None
+    intra_expt_dp: Any = None
+    inter_dist_opt: Any = None
+    intra_dist_opt: Any = None
+    # </generated: pg-collection>
 
+    @classmethod
+    def use_mpu_process_groups(cls, required_pgs: Sequence[str] | None = None) -> ProcessGroupCollection:
+        """The live topology's groups (only ``required_pgs``, if given), as megatron-core's classmethod."""
+        return process_group_collection(required_pgs, megatron=False)
 
-#: megatron-core's ``ProcessGroupCollection`` fields (those of every release), for code that runs without
-#: megatron-core; made from :data:`FIELDS`, so a kind's row is the only place a field is named.
-ProcessGroupCollection = dataclasses.make_dataclass(
-    "ProcessGroupCollection", [(name, Any, dataclasses.field(default=None)) for name in FIELDS],
-    namespace={"use_mpu_process_groups": classmethod(_use_mpu_process_groups), "__repr__": _repr,
-               "__doc__": """megatron-core's ``ProcessGroupCollection`` fields, for code that runs without megatron-core.
-
-    Every field holds a ``torch.distributed.ProcessGroup`` (``hcp``: a list of them) or None.
-    Fill it from the live topology with :meth:`use_mpu_process_groups` or
-    :func:`parallel_state.process_group_collection`.
-    """},
-)
-ProcessGroupCollection.__module__ = __name__
+    def __repr__(self) -> str:
+        sizes = [f"{f.name}({[g.size() for g in v] if isinstance(v, list) else v.size()})"
+                 for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None]
+        return f"ProcessGroupCollection({', '.join(sizes) or 'empty'})"
 
 
 def process_group_collection(required_pgs: Sequence[str] | None = None, *, all_gather: bool = False,
@@ -72,9 +97,9 @@ def process_group_collection(required_pgs: Sequence[str] | None = None, *, all_g
 
     use_megatron = releases.installed() is not None if megatron is None else a.flag("megatron", megatron)
     if use_megatron:
-        from parallel_state.megatron.bridge import _import_megatron, bridge_megatron
+        from parallel_state.megatron.bridge import bridge_megatron, import_megatron
 
-        _import_megatron()  # a clear ImportError without megatron-core
+        import_megatron()  # a clear ImportError without megatron-core
         from megatron.core.process_groups_config import ProcessGroupCollection as cls
     else:
         cls = ProcessGroupCollection

@@ -2,12 +2,13 @@
 
 Every parameter is a field of :class:`InitArguments`: one per row of the release table's
 ``initialize_model_parallel`` (``release_table.SIGNATURES``, megatron-core's parameters in the
-releases' merged order, with the releases that have them), then parallel_state's own keywords.
-From those rows come the fields, the signature ``initialize_model_parallel`` has for the release in
-use (that release's parameters positional, in its order; every other release's and parallel_state's
-own keyword-only), the binding of a call, what the ranks compare, the group cache's key and the
-topology plan. A new megatron-core argument is one row of that table (and, where it changes the
-layout, its place in the plan).
+releases' merged order, with the releases that have them; ``python -m parallel_state.tools.generate``
+writes those fields), then parallel_state's own keywords. From those fields come the signature
+``initialize_model_parallel`` has for the release in use (that release's parameters positional, in
+its order; every other release's and parallel_state's own keyword-only), the binding of a call, what
+the ranks compare, the group cache's key and the topology plan (the sizes, ``sizes.Sizes``). A new
+megatron-core argument is one row of that table (and, where it changes the layout, its place in the
+plan).
 
 Binding raises what Python would (an unknown keyword, too many positional arguments, a value
 given twice) at once; the values themselves are checked by :meth:`InitArguments.validated`, after
@@ -21,7 +22,8 @@ import datetime
 import difflib
 import inspect
 import os
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
 
 from parallel_state.errors import (
     ParallelStateAssertionError,
@@ -34,7 +36,7 @@ from parallel_state.topology import releases, validation
 from parallel_state.topology.grid import normalize_order
 from parallel_state.topology.kinds import DP_CP, EDP_INTER
 from parallel_state.topology.plan import TopologyPlan
-from parallel_state.topology.release_table import SIGNATURES
+from parallel_state.topology.sizes import PARAMETERS, Sizes
 
 #: Settings the ranks may hold differently (timeouts, per-node NCCL tuning): not compared across ranks,
 #: though the group cache's key holds them.
@@ -45,24 +47,52 @@ LOCAL = frozenset({"distributed_timeout_minutes", "timeout", "nccl_communicator_
 ALIASES = {"tp_size": "tensor_model_parallel_size", "cp_size": "context_parallel_size",
            "pp_size": "pipeline_model_parallel_size"}
 
-#: parallel_state's own keywords (keyword-only in every release): (name, annotation, default, meaning).
-OWN: tuple[tuple[str, str, Any, str], ...] = (
-    ("timeout", "datetime.timedelta | None", None, "The groups' timeout, finer than distributed_timeout_minutes."),
-    ("check_consistency", "bool", True, "Compare every rank's arguments before building, and confirm every rank "
-                                        "built, through the store."),
-    ("ranks", "Sequence[int] | None", None, "The global ranks to build the topology over (None: the whole world)."),
-)
 
-#: TopologyPlan's field -> the parameter that sizes it: what ``validation`` checks, under the parameter's name.
-PLAN_FIELDS = {"tp": "tensor_model_parallel_size", "cp": "context_parallel_size",
-               "pp": "pipeline_model_parallel_size", "ep": "expert_model_parallel_size",
-               "etp": "expert_tensor_parallel_size", "gtp": "gtp_remat_size", "egtp": "expert_gtp_remat_size",
-               "dist_opt_instances": "num_distributed_optimizer_instances", "order": "order",
-               "hierarchical_cp": "hierarchical_context_parallel_sizes"}
+@dataclass(frozen=True)
+class InitArguments:
+    """What ``initialize_model_parallel`` was called with: megatron-core 0.16-0.19's parameters (one field
+    per row of ``release_table.SIGNATURES['initialize_model_parallel']``) and ours."""
 
-
-class _Arguments:
-    """The methods of :class:`InitArguments` (whose fields the release table makes)."""
+    # <generated: init-arguments> by `python -m parallel_state.tools.generate` from the release table
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    pipeline_model_parallel_comm_backend: str | None = None
+    use_sharp: bool = False
+    context_parallel_size: int = 1
+    hierarchical_context_parallel_sizes: Sequence[int] | None = None
+    hybrid_context_parallel: bool = False
+    expert_model_parallel_size: int = 1
+    #: megatron-core 0.19 and later
+    gtp_remat_size: int = 1
+    #: megatron-core 0.19 and later
+    expert_gtp_remat_size: int = 1
+    num_distributed_optimizer_instances: int = 1
+    expert_tensor_parallel_size: int | None = None
+    nccl_communicator_config_path: str | None = None
+    distributed_timeout_minutes: int = 30
+    order: str = "tp-cp-ep-dp-pp"
+    get_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None
+    get_position_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None
+    create_gloo_process_groups: bool = True
+    high_priority_stream_groups: Sequence[str] | None = None
+    sharp_enabled_group: str | None = None
+    #: megatron-core 0.16 to 0.17 only
+    create_all_gather_group: bool | None = False
+    #: megatron-core 0.17 and later
+    rank_offset: int = 0
+    #: megatron-core 0.17 and later
+    local_world_size: int | None = None
+    # </generated: init-arguments>
+    # parallel_state's own keywords, keyword-only in every release:
+    #: The groups' timeout, finer than distributed_timeout_minutes.
+    timeout: datetime.timedelta | None = field(default=None, metadata={"own": True})
+    #: Compare every rank's arguments before building, and confirm every rank built, through the store.
+    check_consistency: bool = field(default=True, metadata={"own": True})
+    #: The global ranks to build the topology over (None: the whole world).
+    ranks: Sequence[int] | None = field(default=None, metadata={"own": True})
+    #: Which of the three sizes were passed under their short name (for error messages only).
+    spelled: tuple[str, ...] = field(default=(), metadata={"internal": True}, compare=False, repr=False)
 
     # --- the signature of each release ---------------------------------------------------------
 
@@ -70,6 +100,11 @@ class _Arguments:
     def parameters(cls) -> tuple[dataclasses.Field, ...]:
         """Every parameter, in megatron-core's order (the releases' orders merged), ours last."""
         return tuple(f for f in dataclasses.fields(cls) if not f.metadata.get("internal"))
+
+    @classmethod
+    def own(cls) -> tuple[dataclasses.Field, ...]:
+        """parallel_state's own parameters (keyword-only in every release)."""
+        return tuple(f for f in dataclasses.fields(cls) if f.metadata.get("own"))
 
     @classmethod
     def positional(cls, release: str | None = None) -> tuple[str, ...]:
@@ -80,7 +115,7 @@ class _Arguments:
     def keyword_only(cls, release: str | None = None) -> tuple[tuple[str, Any], ...]:
         """``(name, default)`` of every keyword-only parameter in ``release``: other releases', the aliases, ours."""
         others = [(p.name, p.default) for p in releases.keyword_only("initialize_model_parallel", release)]
-        return (*others, *((alias, None) for alias in ALIASES), *((name, default) for name, _, default, _ in OWN))
+        return (*others, *((alias, None) for alias in ALIASES), *((f.name, f.default) for f in cls.own()))
 
     @classmethod
     def signature(cls, release: str | None = None) -> inspect.Signature:
@@ -161,7 +196,7 @@ class _Arguments:
     def _layout_order(self) -> Any:
         """The order as the decoder and expert layouts it means (tokens completed, gtp_remat placed)."""
         try:  # before validation (the ranks compare first): a value that is no size keeps the order as written
-            checked = validation.sizes(self._plan_values())
+            checked = validation.sizes(self.sizes())
             decoder_order, expert_order = checked.orders()
             decoder = "-".join(normalize_order(decoder_order, {"tp": checked.tp, "cp": checked.cp, "pp": checked.pp,
                                                                "gtp_remat": checked.gtp}))
@@ -171,8 +206,9 @@ class _Arguments:
         except ParallelStateError:
             return self.order
 
-    def _plan_values(self) -> dict[str, Any]:
-        return {name: getattr(self, param) for name, param in PLAN_FIELDS.items()}
+    def sizes(self) -> Sizes:
+        """The topology's sizes, each read from its parameter (``sizes.PARAMETERS``), as given."""
+        return Sizes(**{name: getattr(self, parameter) for name, parameter in PARAMETERS.items()})
 
     # --- the values, checked ---------------------------------------------------------------
 
@@ -185,9 +221,9 @@ class _Arguments:
 
         The sizes are checked by ``validation.sizes``, the rules TopologyPlan applies, under these names.
         """
-        checked = validation.sizes(self._plan_values(), {name: self._size_name(param)
-                                                          for name, param in PLAN_FIELDS.items()})
-        sizes = {param: getattr(checked, name) for name, param in PLAN_FIELDS.items()}
+        checked = validation.sizes(self.sizes(), {name: self._size_name(parameter)
+                                                   for name, parameter in PARAMETERS.items()})
+        sizes = {parameter: getattr(checked, name) for name, parameter in PARAMETERS.items()}
         optional = {name: a.optional_positive_int(name, getattr(self, name)) for name in (
             "virtual_pipeline_model_parallel_size", "local_world_size")}
         flags = {name: a.flag(name, getattr(self, name)) for name in (
@@ -262,7 +298,7 @@ class _Arguments:
     def plan(self, world_size: int, members: tuple[int, ...] | None = None) -> TopologyPlan:
         """The topology these (validated) arguments lay out over ``world_size`` ranks (``members``, if given)."""
         return TopologyPlan(
-            world_size, **self._plan_values(), hybrid_cp=self.hybrid_context_parallel,
+            world_size, **self.sizes().values(), hybrid_cp=self.hybrid_context_parallel,
             all_gather=bool(self.create_all_gather_group), embedding_ranks=self.get_embedding_ranks,
             position_embedding_ranks=self.get_position_embedding_ranks, ranks=members,
         )
@@ -272,24 +308,3 @@ class _Arguments:
         if not self.use_sharp:
             return None
         return EDP_INTER.name if self.sharp_enabled_group == "dp_replica" else DP_CP.name
-
-
-
-def _field(default: Any, **metadata: Any) -> Any:
-    return dataclasses.field(default=default, metadata=metadata)
-
-
-#: One field per row of the release table's initialize_model_parallel, then ours (see the module docstring).
-InitArguments = dataclasses.make_dataclass(
-    "InitArguments",
-    [*((p.name, p.annotation, _field(p.default, since=p.since, until=p.until))
-       for p in SIGNATURES["initialize_model_parallel"]),
-     *((name, annotation, _field(default, own=True, doc=doc)) for name, annotation, default, doc in OWN),
-     # Which of the three sizes were passed under their short name (for error messages only).
-     ("spelled", "tuple[str, ...]", dataclasses.field(default=(), metadata={"internal": True}, compare=False,
-                                                      repr=False))],
-    bases=(_Arguments,), frozen=True,
-)
-InitArguments.__module__ = __name__
-InitArguments.__doc__ = ("What ``initialize_model_parallel`` was called with: megatron-core 0.16-0.19's parameters "
-                         "(one field per row of ``release_table.SIGNATURES['initialize_model_parallel']``) and ours.")

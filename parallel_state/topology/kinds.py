@@ -33,46 +33,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Final, Iterator, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Final, Iterator, NamedTuple
 
 from parallel_state.errors import ParallelStateError
 from parallel_state.topology.answer_keys import AnswerKey, Fact, key
 from parallel_state.topology.grid import Dim, Grid
 from parallel_state.topology.str_enum import StrEnum
 
-
-class TopologyPlan(Protocol):
-    """What a kind reads of its plan: ``plan.TopologyPlan`` (which imports this module, so it is named here)."""
-
-    world_size: int
-    pp: int
-    ep: int
-    cp: int
-    dist_opt_instances: int
-    hierarchical_cp: tuple[int, ...] | None
-    hybrid_cp: bool
-    all_gather: bool
-    expert_all_gather: bool
-    embedding_ranks: Callable[..., Any] | None
-    decoder: Grid
-    expert: Grid
-
-    @property
-    def dp(self) -> int: ...
-    @property
-    def edp(self) -> int: ...
-    @property
-    def all_ranks(self) -> tuple[int, ...]: ...
-    def kind(self, name: str) -> Kind: ...
-    def group_ranks(self, kind: str, rank: int) -> tuple[int, ...]: ...
-    def group_size(self, kind: str, rank: int = 0) -> int: ...
-    def group_index(self, kind: str, rank: int) -> int: ...
-    def num_groups(self, kind: str) -> int: ...
-    def groups(self, kind: str) -> Iterator[tuple[int, ...]]: ...
-    def signature(self, kind: str) -> Any: ...
-    def picked(self, which: Pick | None, pp_ranks: tuple[int, ...]) -> tuple[int, ...]: ...
-    def _pos(self, rank: int) -> int: ...
-    def _global(self, positions: tuple[int, ...]) -> tuple[int, ...]: ...
+if TYPE_CHECKING:  # plan.py imports this module: the plan is named here for annotations only
+    from parallel_state.topology.plan import TopologyPlan
 
 
 class Field(NamedTuple):

@@ -14,7 +14,8 @@ is the kind's own method (``Kind.ranks``, ``rank``, ``size``, ``count``, ``index
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from parallel_state.errors import ParallelStateError, ParallelStateTypeError
@@ -22,39 +23,32 @@ from parallel_state.topology import validation
 from parallel_state.topology.arguments import positive_int
 from parallel_state.topology.grid import DEFAULT_ORDER, DIMS, Grid, insert_gtp_remat, normalize_order, parse_dims  # noqa: F401
 from parallel_state.topology.kinds import ROWS, GridKind, Kind, hybrid_sizes  # noqa: F401
+from parallel_state.topology.sizes import Sizes
 
 
 @dataclass(frozen=True)
-class TopologyPlan:
+class TopologyPlan(Sizes):
     """A validated topology: the sizes, the order, and every group kind megatron-core would build.
 
-    ``ep`` and ``etp`` (default ``tp``) size the expert grid; ``hierarchical_cp`` splits each
-    context-parallel group level by level; ``dist_opt_instances`` splits the data-parallel
-    domain into distributed-optimizer instances; ``hybrid_cp`` adds power-of-two blocks of each
-    dp x cp group; ``all_gather`` adds a second dp x cp group for all-gathers, ``expert_all_gather``
-    a second expert dp group (with ep > 1);
+    The sizes are :class:`Sizes`' fields, by keyword: ``ep`` and ``etp`` (default ``tp``) size the
+    expert grid; ``hierarchical_cp`` splits each context-parallel group level by level;
+    ``dist_opt_instances`` splits the data-parallel domain into distributed-optimizer instances;
+    ``gtp`` and ``egtp`` are megatron-core 0.19's generalized tensor parallelism with weight
+    rematerialization (``gtp_remat_size``, ``expert_gtp_remat_size``): a ``gtp_remat`` dimension of
+    each grid, inserted after tp (decoder) and after ep (expert) as megatron-core 0.19 inserts it.
+    ``hybrid_cp`` adds power-of-two blocks of each dp x cp group; ``all_gather`` adds a second dp x cp
+    group for all-gathers, ``expert_all_gather`` a second expert dp group (with ep > 1);
     ``embedding_ranks`` / ``position_embedding_ranks`` pick the embedding stages from a
-    pipeline's ranks (megatron-core's defaults: first and last, first). ``gtp`` and ``egtp`` are
-    megatron-core 0.19's generalized tensor parallelism with weight rematerialization
-    (``gtp_remat_size``, ``expert_gtp_remat_size``): a ``gtp_remat`` dimension of each grid, inserted
-    after tp (decoder) and after ep (expert) as megatron-core 0.19 inserts it.
+    pipeline's ranks (megatron-core's defaults: first and last, first). The plan holds its sizes
+    checked: ``etp`` resolved, the order completed with every token.
     """
 
     world_size: int
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int | None = None
-    order: str = DEFAULT_ORDER
-    hierarchical_cp: tuple[int, ...] | None = None
-    dist_opt_instances: int = 1
+    _: KW_ONLY
     hybrid_cp: bool = False
     all_gather: bool = False
     #: The expert data-parallel all-gather group (megatron-core 0.18's create_all_gather_groups), with ep > 1.
     expert_all_gather: bool = False
-    gtp: int = 1
-    egtp: int = 1
     embedding_ranks: Callable[..., Any] | None = field(default=None, compare=False)
     position_embedding_ranks: Callable[..., Any] | None = field(default=None, compare=False)
     #: The global ranks the plan lays out, ascending (None: ``0 .. world_size - 1``). The layout is
@@ -68,7 +62,7 @@ class TopologyPlan:
 
     def __post_init__(self) -> None:
         world = positive_int("world_size", self.world_size)
-        checked = validation.sizes({k: getattr(self, k) for k in validation.PLAN_NAMES})
+        checked = validation.sizes(self)
         decoder, expert = validation.layout(world, checked, self.hybrid_cp)
         subset = self.ranks
         if subset is not None:
@@ -86,11 +80,9 @@ class TopologyPlan:
             fn = getattr(self, name)
             if fn is not None and not callable(fn):
                 raise ParallelStateTypeError(f"{name} must be a function of the pipeline's ranks, got {fn!r}")
-        for name, value in (("tp", checked.tp), ("cp", checked.cp), ("pp", checked.pp), ("ep", checked.ep),
-                            ("etp", checked.expert_tp), ("gtp", checked.gtp), ("egtp", checked.egtp),
-                            ("world_size", world), ("order", decoder.order),
-                            ("hierarchical_cp", checked.hierarchical_cp or None),
-                            ("dist_opt_instances", checked.dist_opt_instances), ("decoder", decoder),
+        held = dataclasses.replace(checked, etp=checked.expert_tp, order=decoder.order,
+                                   hierarchical_cp=checked.hierarchical_cp or None)
+        for name, value in (*held.values().items(), ("world_size", world), ("decoder", decoder),
                             ("expert", expert)):
             object.__setattr__(self, name, value)
         self._kind_table()

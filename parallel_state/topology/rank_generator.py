@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Sequence
+from typing import Sequence
 
 from parallel_state.errors import (
     ParallelStateAssertionError,
@@ -21,11 +21,10 @@ from parallel_state.errors import (
     ParallelStateTypeError,
     ParallelStateValueError,
 )
-from parallel_state.topology import codegen, releases
+from parallel_state.topology import releases
 from parallel_state.topology.arguments import flag, is_int, non_negative_int, positive_int
 from parallel_state.topology.grid import Grid, normalize_order
 from parallel_state.topology.plan import default_embedding_ranks, default_position_embedding_ranks, hybrid_sizes  # noqa: F401
-from parallel_state.topology.release_table import REQUIRED, SIGNATURES
 
 
 def _rank_list(name: str, ranks: object) -> list[int]:
@@ -57,7 +56,22 @@ class RankGenerator:
     ``gtp_remat`` token at its end when it does not name it.
     """
 
-    # __init__ is made below from the release table: the release in use's parameters, in its order.
+    # __init__ takes the release in use's parameters (the release table's rows) and lays out with _build.
+    # <generated: rank-generator> by `python -m parallel_state.tools.generate` from the release table
+    if releases.in_use() == "0.19":
+        def __init__(
+            self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0, gtp_remat: int = 1,
+        ) -> None:
+            """Lay out the dimensions: sizes, the order, an offset added to every rank."""
+            self._build(tp=tp, ep=ep, dp=dp, pp=pp, cp=cp, order=order, rank_offset=rank_offset, gtp_remat=gtp_remat)
+    else:  # megatron-core 0.16, 0.17, 0.18 and any release parallel_state does not know
+        def __init__(
+            self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0, *, gtp_remat: int = 1,
+        ) -> None:
+            """Lay out the dimensions: sizes, the order, an offset added to every rank."""
+            self._build(tp=tp, ep=ep, dp=dp, pp=pp, cp=cp, order=order, rank_offset=rank_offset, gtp_remat=gtp_remat)
+    # </generated: rank-generator>
+
     def _build(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int,
                gtp_remat: int) -> None:
         sizes = {name: positive_int(f"{name} size", value) for name, value in (
@@ -125,23 +139,6 @@ class RankGenerator:
                 f"pass the size the generator was built with"
             )
         return self.get_ranks("gtp_remat")
-
-
-def _made_init() -> Any:
-    """``RankGenerator.__init__`` with the release in use's parameters (``release_table``), calling ``_build``."""
-    function = "RankGenerator.__init__"
-    positional = [("self", REQUIRED), *((p.name, p.default) for p in releases.positional(function))]
-    keyword_only = [(p.name, p.default) for p in releases.keyword_only(function)]
-    names = [name for name, _ in positional[1:] + keyword_only]
-    init = codegen.define("__init__", codegen.parameter_text(positional, keyword_only),
-                          f"    self._build({', '.join(f'{n}={n}' for n in names)})\n", {}, module=__name__,
-                          doc="Lay out the dimensions: sizes, the order, an offset added to every rank.",
-                          annotations={**{p.name: p.annotation for p in SIGNATURES[function]}, "return": "None"})
-    init.__qualname__ = function
-    return init
-
-
-RankGenerator.__init__ = _made_init()  # type: ignore[method-assign]
 
 
 def generate_masked_orthogonal_rank_groups(

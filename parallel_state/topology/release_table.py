@@ -5,9 +5,10 @@ function (``SIGNATURES``: one row per parameter, in the releases' merged positio
 the releases that have it), the module globals its ``parallel_state`` holds (``GLOBALS``), and a
 few behaviours (``BEHAVIOURS``: a format, a layout rule). Everything that differs by release is
 derived from these rows: ``InitArguments``' fields and ``initialize_model_parallel``'s signature,
-each accessor's signature and positional order and its fast twin, ``RankGenerator``'s signature,
-the globals the bridge writes, ``get_all_ranks``' format. Adding a release is its name in
-``KNOWN`` and its rows here (plus any new group kinds, and the regenerated test data).
+each accessor's signature and positional order, ``RankGenerator``'s signature (source written from
+the rows by ``python -m parallel_state.tools.generate`` and checked in), the globals the bridge
+writes, ``get_all_ranks``' format. Adding a release is its name in ``KNOWN`` and its rows here (plus
+any new group kinds, the generator run, and the regenerated test data).
 
 A row's slot in a release's positional order is its place among the rows of its function that
 the release has: 0.19 inserted ``with_gtp_remat`` before ``partial_data_parallel``, so its row

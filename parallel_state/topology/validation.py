@@ -1,10 +1,10 @@
 """The rules a topology's sizes must follow, written once, with the error each breach raises.
 
-``sizes`` holds the rules that need no world size (each size an int >= 1, the order's tokens,
+``sizes`` holds the rules that need no world size (each size's own check, the order's tokens,
 the hierarchical context-parallel sizes, gtp_remat with optimizer instances); ``layout`` those
 that do (divisibility, megatron-core's two assertions on the expert layout, the optimizer
 instances, hybrid context parallelism) and returns the decoder and expert grids. ``TopologyPlan``
-runs both under its own names for the sizes (``PLAN_NAMES``: "tp size"); ``InitArguments`` runs
+runs both under its own names for the sizes (``sizes.TITLES``: "tp size"); ``InitArguments`` runs
 ``sizes`` under ``initialize_model_parallel``'s parameter names (``tensor_model_parallel_size``, or
 the alias the caller wrote), so a bad value is named as the caller spelled it.
 """
@@ -12,62 +12,29 @@ the alias the caller wrote), so a bad value is named as the caller spelled it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Mapping
 
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
-from parallel_state.topology.arguments import optional_positive_int, positive_int
-from parallel_state.topology.grid import Grid, insert_gtp_remat, normalize_order
-
-#: How the plan's messages name each value it checks (its fields' names are the keys).
-PLAN_NAMES: dict[str, str] = {
-    "tp": "tp size", "cp": "cp size", "pp": "pp size", "ep": "ep size", "etp": "etp size", "gtp": "gtp_remat size",
-    "egtp": "expert gtp_remat size", "dist_opt_instances": "dist_opt_instances", "order": "order",
-    "hierarchical_cp": "hierarchical_context_parallel_sizes",
-}
+from parallel_state.topology.arguments import positive_int
+from parallel_state.topology.grid import Grid, normalize_order
+from parallel_state.topology.sizes import FIELDS, TITLES, Sizes
 
 
-@dataclass(frozen=True)
-class Sizes:
-    """Checked sizes: ints >= 1 (``etp`` None: the same as tp), the order as written, the hierarchical sizes."""
-
-    tp: int
-    cp: int
-    pp: int
-    ep: int
-    etp: int | None
-    gtp: int
-    egtp: int
-    dist_opt_instances: int
-    order: str
-    hierarchical_cp: tuple[int, ...] | None
-
-    @property
-    def expert_tp(self) -> int:
-        """The expert grid's tensor-parallel size."""
-        return self.tp if self.etp is None else self.etp
-
-    def orders(self) -> tuple[str, str]:
-        """The decoder's and the expert grid's orders as written, with gtp_remat where megatron-core 0.19 puts it."""
-        decoder = insert_gtp_remat(self.order, "tp") if self.gtp > 1 else self.order
-        expert = insert_gtp_remat(self.order, "ep") if self.egtp > 1 else self.order
-        return decoder, expert
-
-
-def sizes(values: Mapping[str, Any], names: Mapping[str, str] = PLAN_NAMES) -> Sizes:
-    """``values`` (keyed like ``PLAN_NAMES``) checked by every rule that needs no world size; errors use ``names``."""
-    tp, cp, pp, ep, gtp, egtp, instances = (positive_int(names[k], values[k]) for k in (
-        "tp", "cp", "pp", "ep", "gtp", "egtp", "dist_opt_instances"))
-    etp = optional_positive_int(names["etp"], values["etp"])
+def sizes(given: Sizes, names: Mapping[str, str] = TITLES) -> Sizes:
+    """``given`` checked by every rule that needs no world size; errors name each size as ``names`` does."""
+    checked = {}
+    for f in FIELDS:  # each size's own check, under the caller's name for it
+        check, value = f.metadata["check"], getattr(given, f.name)
+        checked[f.name] = value if check is None else check(names[f.name], value)
+    cp, gtp, egtp, instances = checked["cp"], checked["gtp"], checked["egtp"], checked["dist_opt_instances"]
     if (gtp > 1 or egtp > 1) and instances > 1:
         raise ParallelStateAssertionError(
             f"gtp_remat_size={gtp} / expert_gtp_remat_size={egtp} with num_distributed_optimizer_instances="
             f"{instances}: megatron-core 0.19 supports generalized tensor parallelism with one optimizer "
             f"instance only; pass num_distributed_optimizer_instances=1 or gtp sizes of 1"
         )
-    order = values["order"]
-    normalize_order(order, {"tp": tp, "cp": cp, "pp": pp, "ep": ep})  # names every size > 1
-    hierarchical = values["hierarchical_cp"]
+    normalize_order(checked["order"], {d: checked[d] for d in ("tp", "cp", "pp", "ep")})  # names every size > 1
+    hierarchical = checked["hierarchical_cp"]
     if hierarchical is not None:
         if not isinstance(hierarchical, (list, tuple)):
             raise ParallelStateTypeError(
@@ -79,7 +46,7 @@ def sizes(values: Mapping[str, Any], names: Mapping[str, str] = PLAN_NAMES) -> S
                 f"hierarchical_context_parallel_sizes {list(hierarchical)} multiply to {math.prod(hierarchical)}, "
                 f"not context_parallel_size={cp}; give sizes whose product is {cp}"
             )
-    return Sizes(tp, cp, pp, ep, etp, gtp, egtp, instances, order, hierarchical)
+    return Sizes(**{**checked, "hierarchical_cp": hierarchical})
 
 
 def layout(world: int, s: Sizes, hybrid_cp: bool = False) -> tuple[Grid, Grid]:
