@@ -163,6 +163,7 @@ def case_teletron_initialization(world):
     mps.destroy_model_parallel()  # frees its gloo groups, leaves the global ranks: put its module back
     for name, value in pristine.items():
         setattr(mps, name, value)
+    dist.barrier()  # every rank done connecting its gloo groups before any rank closes them
     for pg in set(c10d._world.pg_map) - before:
         dist.destroy_process_group(pg)
 
@@ -189,6 +190,7 @@ def case_teletron_initialization(world):
         out["after_destroy"] = str(exc)
     # the groups were the caller's, as in megatron-core: destroy forgets them, their creator frees them
     out["groups_kept"] = set(c10d._world.pg_map) - before == created
+    dist.barrier()  # every rank done connecting its gloo groups before any rank closes them
     for pg in created:
         dist.destroy_process_group(pg)
     return out
@@ -263,6 +265,7 @@ def case_writes_over_a_build():
         out["refused"] = str(exc)
     out["nothing_built"] = ps.groups.state.peek() is None and ps.get_tensor_model_parallel_group() is mine
     ps.destroy_model_parallel()
+    dist.barrier()  # every rank done connecting its gloo groups before any rank closes them
     for pair in pairs:
         dist.destroy_process_group(pair)
     return out
