@@ -385,7 +385,8 @@ def case_errors():
         calls = []
         with spying(lambda name, args, kw, calls=calls: calls.append(name)):
             msg = raises(ValueError, ["on every rank of the cp group", *fragments], module, q, k, v, **kwargs)
-        assert calls == ["all_to_all_single"], (msg, calls)  # the agreement round, nothing else
+        # The call's check (cp.call_check): its round of two ints a rank, then the full check's; nothing else.
+        assert calls == ["all_to_all_single"] * 2, (msg, calls)
         found += 1
     # Set-up mistakes raise at once, where they are made (no communication).
     raises(ValueError, ["unsupported communication type cp_comm_type='ring'", "'a2a+p2p'"],
