@@ -21,6 +21,7 @@ import torch
 import cp
 from cp.transformer_engine import EXTRA_PARAMETERS, TE_RELEASE, DotProductAttention
 from cpgroups import raises, spying
+from rankpool import scaled
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"te_dot_product_attention_{TE_RELEASE}.json")
 
@@ -417,6 +418,166 @@ def case_errors():
     return found
 
 
+# ---------------------------------------------------------------- one check per call: a rank departing from a cached call
+
+
+def case_a_rank_departing_from_a_cached_call(group_timeout_s):
+    """After a warm-up call resolved by the face and checked on every rank, one rank (cp rank 2) departs while the
+    others repeat that call: another shape, comm type, mask, scale or cu_seqlens, or a bad input only it sees (a
+    length not divisible by 2 cp, thd without cu_seqlens_padded, heads a2a cannot scatter, an unsupported option).
+    Every rank raises in the one round of the engine call's check (a group with a short timeout: no hang) and the
+    warm-up call is exact again after each. gloo's path (every rank reads the round): every rank the same
+    ValueError, naming what differs, or the rank and its reason (naming the fix). NCCL's path (forced on gloo): the
+    departing rank names its own mistake, the others stop at the device-side assertion."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import cp.call_check
+
+    n, me = dist.get_world_size(), dist.get_rank()
+    odd = 2
+    ranks = list(range(n))
+    g = dist.new_group(ranks, timeout=datetime.timedelta(seconds=group_timeout_s))
+    seq = 4 * n
+    bshd = _data((1, 2 * seq, 4, 8), 1)
+    mine, longer = (bshd[:, :length].index_select(1, _dual_chunk_swap((0, length), n, me)) for length in (seq, 2 * seq))
+    odd_heads = _data((1, seq, 6, 8), 2).index_select(1, _dual_chunk_swap((0, seq), n, me))
+    # thd: two packs of the same padded total (every rank the same token count), other sequence boundaries
+    unit = 2 * n
+    packs = [(torch.tensor(real, dtype=torch.int32), torch.tensor(padded, dtype=torch.int32))
+             for real, padded in (([0, unit, 2 * unit - 3], [0, unit, 2 * unit]), ([0, 2 * unit - 3], [0, 2 * unit]))]
+    thd = _data((2 * unit, 4, 8), 3)
+    packed = [thd.index_select(0, _dual_chunk_swap(padded.tolist(), n, me)) for _, padded in packs]
+
+    def cu(i, padded=True):
+        real, pad = packs[i]
+        return {"cu_seqlens_q": real, "cu_seqlens_kv": real, **({"cu_seqlens_q_padded": pad,
+                                                                  "cu_seqlens_kv_padded": pad} if padded else {})}
+
+    found = 0
+    try:
+        for nccl_path, comm in ((False, "p2p"), (True, "all_gather")):
+            # NCCL's p2p posts no receive before the round (only gloo's does): its path runs all_gather.
+            cp.call_check.reads_wait_everywhere = nccl_path
+
+            def dpa(heads=4, comm=comm, **kwargs):
+                return DotProductAttention(heads, 8, **{"qkv_format": "bshd", **kwargs}, cp_group=g,
+                                           cp_global_ranks=ranks, cp_comm_type=comm)
+
+            base = dpa()
+            packs_dpa = dpa(qkv_format="thd", attn_mask_type="padding_causal")
+            warm = {"bshd": base(mine, mine, mine), "thd": packs_dpa(*[packed[0]] * 3, **cu(0))}
+            repeat = {"bshd": lambda: base(mine, mine, mine), "thd": lambda: packs_dpa(*[packed[0]] * 3, **cu(0))}
+            departures = [  # (the call the others repeat, what cp rank 2 calls instead, the message's fragments)
+                ("bshd", lambda: base(longer, longer, longer), ["their q shape, k shape, v shape differ"]),
+                ("bshd", lambda: dpa(comm="a2a")(mine, mine, mine), ["their cp_comm_type differ", "'a2a'"]),
+                ("bshd", lambda: dpa(attn_mask_type="no_mask")(mine, mine, mine), ["their attention mask differ"]),
+                ("bshd", lambda: dpa(softmax_scale=0.5)(mine, mine, mine), ["their softmax_scale differ", "0.5"]),
+                ("thd", lambda: packs_dpa(*[packed[1]] * 3, **cu(1)), ["attention mask, cu_seqlens differ"]),
+            ]
+            refusals = [  # (the call the others repeat, cp rank 2's bad call, its reason's fragments, fix included)
+                ("bshd", lambda: base(mine[:, :3], mine[:, :3], mine[:, :3]),
+                 ["has 12 tokens, not a multiple of 2 * cp_size = 8", "pad every sequence"]),
+                ("thd", lambda: packs_dpa(*[packed[0]] * 3, **cu(0, padded=False)),
+                 ["needs cu_seqlens_q_padded and cu_seqlens_kv_padded", "pass cu_seqlens_q as cu_seqlens_q_padded"]),
+                ("bshd", lambda: dpa(6, comm="a2a")(odd_heads, odd_heads, odd_heads),
+                 ["scatters heads over 4 ranks, but q has 6 heads", "or cp_comm_type='p2p'"]),
+                ("bshd", lambda: base(mine, mine, mine, core_attention_bias_type="post_scale_bias",
+                                      core_attention_bias=torch.zeros(1)), ["core_attention_bias_type='post_scale_bias'"]),
+            ]
+            for kind, departure, fragments in departures + refusals:
+                refused = (kind, departure, fragments) in refusals
+                if me == odd:  # on NCCL's path a departure names the ranks that repeated (it cannot say more)
+                    said = ["repeated a call checked before", "passed another"] if nccl_path and not refused else \
+                        [f"group rank {odd} (global {odd}): "] * (refused and not nccl_path) + fragments
+                    raises(ValueError, [WHAT_FORWARD] + said, departure)
+                elif nccl_path:
+                    raises(RuntimeError, ["the ranks' calls differ", "PARALLEL_STATE_DEBUG=1"], repeat[kind])
+                else:
+                    raises(ValueError, [WHAT_FORWARD] + ([f"group rank {odd} (global {odd}): "] if refused else [])
+                           + fragments[:1], repeat[kind])
+                # Nothing half done: the cached call is exact again, on every rank.
+                assert torch.equal(repeat[kind](), warm[kind]), (kind, fragments)
+                found += 1
+    finally:
+        cp.call_check.reads_wait_everywhere = False
+    dist.destroy_process_group(g)
+    return found
+
+
+WHAT_FORWARD = "DotProductAttention.forward: "
+
+
+def case_rounds_of_a_repeated_call():
+    """A repeated face call runs exactly the collectives of the engine call it makes with the same plan (a masked
+    ring call: one round of two ints a rank before the K/V, and the backward's; Ulysses: that round and its
+    all-to-alls), forward and backward; on NCCL's path (forced on gloo) it reads no round to the host; with
+    PARALLEL_STATE_DEBUG=1 every call is checked in full."""
+    import torch.distributed as dist
+
+    import cp.agree
+    import cp.call_check
+
+    g = dist.group.WORLD
+    n, me = g.size(), g.rank()
+    seq = 4 * n
+    x = _data((1, seq, 4, 8), 4)
+    plan = cp.plan_dual_chunk_swap(cp.Mask.causal(), seq, n)
+    mine = x.index_select(1, plan.index(me)).requires_grad_(True)
+    seen: list = []
+
+    def record(name, args, kwargs):
+        seen.append((name, args[1].numel() // n) if name == "all_to_all_single" else name)
+
+    def collectives(fn):
+        fn()  # warm: resolved and checked in full once
+        seen.clear()
+        with spying(record):
+            fn()
+        return list(seen)
+
+    face, engine = {}, {}
+    for comm in ("p2p", "a2a"):
+        dpa = DotProductAttention(4, 8, qkv_format="bshd", cp_group=g, cp_global_ranks=list(range(n)),
+                                  cp_comm_type=comm)
+        scale = dpa.softmax_scale
+        face[comm] = collectives(lambda dpa=dpa: dpa(mine, mine, mine).sum().backward())
+        if comm == "p2p":
+            plain = lambda: cp.ring_attention(mine, mine, mine, g, plan=plan, softmax_scale=scale)  # noqa: E731
+        else:
+            plain = lambda: cp.ulysses_attention(mine, mine, mine, g, plan=plan, scale=scale)  # noqa: E731
+        engine[comm] = collectives(lambda plain=plain: plain().sum().backward())
+        assert face[comm] == engine[comm], (comm, face[comm], engine[comm])
+        assert face[comm].count(("all_to_all_single", 2)) == 1, face  # the check's one round (two ints a rank)
+    # NCCL's path: the first call reads its rounds to the host (the check's and the full check's), a repeat none.
+    reads = []
+    real_table = cp.agree.Pending.table
+    cp.agree.Pending.table = lambda self: (reads.append(1), real_table(self))[1]
+    dpa = DotProductAttention(4, 8, qkv_format="bshd", cp_group=g, cp_comm_type="all_gather")
+    try:
+        cp.call_check.reads_wait_everywhere = True
+        cp.call_check.clear()
+        dpa(mine, mine, mine)
+        first = len(reads)
+        dpa(mine, mine, mine)
+        assert first == 2 and len(reads) == first, (first, reads)
+    finally:
+        cp.call_check.reads_wait_everywhere = False
+        cp.agree.Pending.table = real_table
+    # Debug mode: every call checked in full (the round, then the full check's wider one).
+    os.environ["PARALLEL_STATE_DEBUG"] = "1"
+    try:
+        for _ in range(2):
+            seen.clear()
+            with spying(record):
+                dpa(mine, mine, mine)
+            assert seen[0] == ("all_to_all_single", 2) and seen[1][0] == "all_to_all_single" and seen[1][1] > 2, seen
+    finally:
+        os.environ.pop("PARALLEL_STATE_DEBUG")
+    return face
+
+
 # ---------------------------------------------------------------- tests
 
 
@@ -446,6 +607,15 @@ def test_cosmos_predict2_block_with_context_parallel_equals_one_process(pools):
 
 def test_bad_inputs_raise_on_every_rank_before_any_transfer(pools):
     assert pools(2).run(case_errors, timeout=120) == [18, 18]
+
+
+def test_a_rank_departing_from_a_cached_call_raises_on_every_rank_in_the_one_round(pools):
+    assert pools(4).run(case_a_rank_departing_from_a_cached_call, scaled(20).total_seconds(), timeout=180) == [18] * 4
+
+
+def test_a_repeated_call_runs_the_engine_calls_collectives_only(pools):
+    results = pools(4).run(case_rounds_of_a_repeated_call, timeout=120)
+    assert all(r == results[0] for r in results)  # every rank the same collectives
 
 
 def test_signatures_equal_transformer_engines():
