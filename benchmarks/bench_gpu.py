@@ -1,4 +1,4 @@
-"""The GPU check: ring, usp, masked attention and the TE face in bfloat16 against one process's SDPA: error, memory, time.
+"""The GPU check: ring, usp, masked attention and both faces in bfloat16 against one process's SDPA: error, memory, time.
 
 For each shape (a small one and a realistic video DiT size, 24 heads x 128, 21 latent frames of 1,560
 tokens = 32,760 tokens, batch 1), each call and each mask kind (full, causal, chunk-causal,
@@ -6,9 +6,10 @@ sliding-window, packed clips), on a world of one GPU (groups of one) and, when t
 several, on all of them (NCCL, one process per GPU): ``cp.ring_attention`` and ``cp.usp_attention``
 (Ulysses 2 x ring n/2 on parallel_state's hierarchical cp groups), plain (no mask; ``causal=True``)
 on the contiguous split and masked (``plan=cp.plan_dispatch(mask, length, n)``, the default plan),
-and Transformer Engine's face (``cp.transformer_engine.DotProductAttention``, built as Cosmos builds it,
-bshd, p2p; no_mask on the contiguous split, causal on TE's DualChunkSwap layout), forward + backward in
-bfloat16. Against one process:
+Transformer Engine's face (``cp.transformer_engine.DotProductAttention``, built as Cosmos builds it,
+bshd, p2p; no_mask on the contiguous split, causal on TE's DualChunkSwap layout) and megatron-core's
+(``cp.megatron.DotProductAttention``, sbhd, p2p on the DualChunkSwap layout: causal, and chunk-causal as ``mask=``;
+rows skipped without megatron-core), forward + backward in bfloat16. Against one process:
 
 - error: out, dq, dk, dv against a float32 reference (one process's fused SDPA under the dense
   mask), max |diff| and max |diff| / max |ref|, beside the same figures of one process's bfloat16
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import sys
 import time
@@ -95,18 +97,23 @@ def usp_split(world: int) -> tuple[int, int]:
 
 #: The masks Transformer Engine's face runs in this check, by TE's attn_mask_type.
 TE_MASK_TYPES = {"full": "no_mask", "causal": "causal"}
+#: The masks megatron-core's face runs: the local spec's causal attn_mask_type, and chunk-causal as ``mask=``.
+MEGATRON_MASKS = ("causal", "chunk_causal")
 
 
 def cases(shape: Shape) -> list[tuple[str, str, str]]:
     """(method, call, mask name) of every row for ``shape``, mask by mask (one reference each): the plain calls
-    (no mask; ``causal=True``) for full and causal, the default plan for every kind, and Transformer Engine's face
-    (``cp.transformer_engine.DotProductAttention``, bshd, p2p) for no_mask and causal."""
+    (no mask; ``causal=True``) for full and causal, the default plan for every kind, Transformer Engine's face
+    (``cp.transformer_engine.DotProductAttention``, bshd, p2p) for no_mask and causal, and megatron-core's
+    (``cp.megatron.DotProductAttention``, sbhd, p2p) for causal and chunk-causal."""
     rows = []
     for name in masks(shape):
         for method in ("ring", "usp"):
             rows += [(method, call, name) for call in (("plain", "plan") if name in ("full", "causal") else ("plan",))]
         if name in TE_MASK_TYPES:
             rows.append(("te", "face", name))
+        if name in MEGATRON_MASKS:
+            rows.append(("megatron", "face", name))
     return rows
 
 
@@ -243,8 +250,11 @@ def _shape_rows(shape: Shape, rank: int, world: int, groups: dict[str, Any], dev
         if _any_rank(time.time() > deadline, device):
             row["status"] = "skipped: past the time budget"
             continue
-        if method == "te" and mask_name != "full" and length % (2 * world):
-            row["status"] = f"skipped: {length} tokens are no multiple of 2 x {world} ranks (TE's layout needs it)"
+        if call == "face" and mask_name != "full" and length % (2 * world):
+            row["status"] = f"skipped: {length} tokens are no multiple of 2 x {world} ranks (the faces' layout needs it)"
+            continue
+        if method == "megatron" and importlib.util.find_spec("megatron") is None:
+            row["status"] = "skipped: megatron-core is not installed"
             continue
         mask = masks(shape)[mask_name]
         try:
@@ -372,9 +382,28 @@ CHECK_HEADER = ["shape", "ranks", "calls", "ms: checked once (two ints a call)",
 
 def _ours(method: str, call: str, mask_name: str, plan: Any, group: Any, ug: Any, rg: Any,
           shape: Any = None) -> Callable[..., Any]:
-    """The call a row measures: ring or usp, plain (``causal=True`` for causal) or on ``plan``; or Transformer
-    Engine's face as Cosmos builds it (bshd, p2p on ``group``), its [b, s, h * d] output viewed as [b, s, h, d]."""
+    """The call a row measures: ring or usp, plain (``causal=True`` for causal) or on ``plan``; Transformer
+    Engine's face as Cosmos builds it (bshd, p2p on ``group``), its [b, s, h * d] output viewed as [b, s, h, d]; or
+    megatron-core's face as its attention layer calls it (sbhd, p2p on ``group``, the plan's mask as ``mask=``
+    past causal)."""
     import cp
+
+    if method == "megatron":
+        from types import SimpleNamespace
+
+        from megatron.core.transformer import TransformerConfig
+        from megatron.core.transformer.enums import AttnMaskType
+
+        import cp.megatron
+
+        heads, dim = shape[2], shape[3]
+        config = TransformerConfig(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads,
+                                   context_parallel_size=group.size(), attention_dropout=0.0)
+        core = cp.megatron.DotProductAttention(config, 1, AttnMaskType.causal, "self", cp_comm_type="p2p",
+                                               pg_collection=SimpleNamespace(tp=None, cp=group, hcp=None),
+                                               mask=None if mask_name == "causal" else plan.mask)
+        return lambda q, k, v: core(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), None,
+                                    attn_mask_type=AttnMaskType.causal).transpose(0, 1).unflatten(-1, (heads, dim))
 
     if method == "te":
         from cp.transformer_engine import DotProductAttention

@@ -21,8 +21,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.bench_attention import join, time_in_turns
-from benchmarks.harness import median, spawn_measure, table
+from benchmarks.bench_attention import join
+from benchmarks.faces import engine_call, face_vs_engine, per_call_us, thd_pack
+from benchmarks.harness import spawn_measure, table
 
 
 @dataclass(frozen=True)
@@ -49,15 +50,6 @@ CASES = [
 ]
 
 
-def _thd_bounds(tokens: int, world: int) -> tuple[list[int], list[int]]:
-    """Three sequences filling ``tokens`` (rooms multiples of 2 x world), each but the last padded by a few."""
-    unit = 2 * world
-    rooms = [tokens // 2 // unit * unit, tokens // 4 // unit * unit]
-    rooms.append(tokens - sum(rooms))
-    lengths = [rooms[0] - 3, rooms[1] - 1, rooms[2]]
-    return [sum(lengths[:i]) for i in range(4)], [sum(rooms[:i]) for i in range(4)]
-
-
 def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> list[dict[str, Any]] | None:
     import torch.distributed as dist
 
@@ -79,17 +71,7 @@ def _row(case: Case, rank: int, world: int, group: Any, opts: dict[str, Any]) ->
     kwargs: dict[str, Any] = {}
     padding = None
     if fmt == "thd":
-        real, padded = _thd_bounds(n, world)
-        cu, cu_padded = (torch.tensor(b, dtype=torch.int32) for b in (real, padded))
-        kwargs = {"cu_seqlens_q": cu, "cu_seqlens_kv": cu, "cu_seqlens_q_padded": cu_padded,
-                  "cu_seqlens_kv_padded": cu_padded}
-        lengths = [real[i + 1] - real[i] for i in range(3)]
-        segments = [p for i in range(3) for p in (lengths[i], padded[i + 1] - padded[i] - lengths[i]) if p > 0]
-        plan = cp.plan_dual_chunk_swap(cp.Mask.packed(segments, chunk=1), n, world, cu_seqlens=padded)
-        keep = torch.zeros(n, dtype=torch.bool)
-        for i in range(3):
-            keep[padded[i]:padded[i] + lengths[i]] = True
-        padding = (~keep)[plan.index(rank)].view(-1, 1, 1)
+        kwargs, plan, padding = thd_pack(n, world, rank)
     else:
         mask = cp.Mask.full() if case.attn_mask_type == "no_mask" else cp.Mask.causal()
         transport = "allgather" if case.comm == "all_gather" else "p2p"
@@ -105,25 +87,10 @@ def _row(case: Case, rank: int, world: int, group: Any, opts: dict[str, Any]) ->
     def by_face(q: Any, k: Any, v: Any) -> Any:
         return face(q, k, v, **kwargs)
 
-    def by_engine(q: Any, k: Any, v: Any) -> Any:  # what the face calls, written out
-        if case.comm == "a2a":
-            out = cp.ulysses_attention(q, k, v, group, plan=plan, seq_dim=s, head_dim=h, scale=scale)
-        else:
-            out = cp.ring_attention(q, k, v, group, plan=plan, seq_dim=s, head_dim=h, softmax_scale=scale)
-        if padding is not None:
-            out = out.masked_fill(padding, 0)
-        return out.flatten(-2)
-
-    a, b = by_face(*ins), by_engine(*ins)
-    if not torch.equal(a, b):
-        raise AssertionError(f"{case}: the face and the engine call differ by {(a - b).abs().max().item()}")
-    times = time_in_turns({way: (lambda fn=fn: torch.autograd.grad(fn(*ins), ins, grad))
-                           for way, fn in (("face", by_face), ("engine", by_engine))}, group, opts)
-    ms = {k: median(v) * 1e3 for k, v in times.items()}
-    # The ratio of each round (both ways timed in it, so they share its noise), then the median over rounds.
-    paired = median([f / e for f, e in zip(times["face"], times["engine"], strict=True)])
+    timed = face_vs_engine(case, by_face, engine_call(case.comm, group, plan, s, h, scale, padding), ins, grad, group,
+                           opts)
     return {"ranks": world, "case": case.name, "format": fmt, "mask": case.attn_mask_type, "comm": case.comm,
-            "shape": list(shape), "face_ms": ms["face"], "engine_ms": ms["engine"], "overhead": paired}
+            "shape": list(shape), **timed}
 
 
 def fixed_cost_us(calls: int) -> tuple[float, float, float]:
@@ -143,15 +110,7 @@ def fixed_cost_us(calls: int) -> tuple[float, float, float]:
         return cp.sdpa_in_layout(q, k, v, seq_dim=1, head_dim=2, is_causal=True, scale=scale,
                                  enable_gqa=False).flatten(-2)
 
-    runs: dict[str, list[float]] = {"face": [], "sdpa": []}
-    for rnd in range(21):  # both in every round, in alternating order: they share the round's load
-        ways = [("face", lambda: face(q, k, v)), ("sdpa", sdpa)]
-        for name, fn in ways[rnd % 2:] + ways[:rnd % 2]:
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            runs[name].append((time.perf_counter() - start) / calls * 1e6)
-    return median(runs["face"]), median(runs["sdpa"]), median([f - s for f, s in zip(*runs.values(), strict=True)])
+    return per_call_us(lambda: face(q, k, v), sdpa, calls)
 
 
 def main(argv: list[str] | None = None) -> int:

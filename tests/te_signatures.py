@@ -24,13 +24,15 @@ SOURCE = "transformer_engine/pytorch/attention/dot_product_attention/dot_product
 METHODS = ("__init__", "set_context_parallel_group", "forward")
 
 
-def signatures(source: str) -> dict[str, list[list[str | None]]]:
-    """``{method: [[name, kind, default source or None], ...]}`` for METHODS of class DotProductAttention."""
+def signatures(source: str, cls_name: str = "DotProductAttention",
+               methods: tuple[str, ...] = METHODS) -> dict[str, list[list[str | None]]]:
+    """``{method: [[name, kind, default source or None], ...]}`` for ``methods`` of class ``cls_name`` (also
+    megatron-core's TEDotProductAttention, for cp.megatron's tests)."""
     tree = ast.parse(source)
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DotProductAttention")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
     out = {}
     for fn in cls.body:
-        if not isinstance(fn, ast.FunctionDef) or fn.name not in METHODS:
+        if not isinstance(fn, ast.FunctionDef) or fn.name not in methods:
             continue
         a = fn.args
         if a.vararg or a.kwarg or a.posonlyargs:
@@ -42,10 +44,10 @@ def signatures(source: str) -> dict[str, list[list[str | None]]]:
         rows += [[p.arg, "KEYWORD_ONLY", None if d is None else ast.unparse(d)]
                  for p, d in zip(a.kwonlyargs, a.kw_defaults, strict=True)]
         out[fn.name] = rows[1:]  # self
-    missing = set(METHODS) - set(out)
+    missing = set(methods) - set(out)
     if missing:
-        raise ValueError(f"DotProductAttention has no {sorted(missing)} in this source")
-    return {m: out[m] for m in METHODS}
+        raise ValueError(f"{cls_name} has no {sorted(missing)} in this source")
+    return {m: out[m] for m in methods}
 
 
 def render(data: dict) -> str:

@@ -3,7 +3,8 @@
 The convention the pages follow: a ```python block runs in one process without
 ``torch.distributed`` (a page's blocks in order, sharing one namespace, in a fresh interpreter);
 a block with ``<!-- run on N ranks -->`` right above its fence runs on every rank of an N-rank
-gloo pool (``torch.distributed`` is up) and must leave no model-parallel state behind;
+gloo pool (``torch.distributed`` is up) and must leave no model-parallel state behind
+(``<!-- run on N ranks with megatron-core -->``: a pool whose ranks imported megatron-core);
 ```bash and ```text blocks are not run.
 """
 
@@ -21,13 +22,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
-RANKS = re.compile(r"<!-- run on (\d+) ranks -->\n$")
+RANKS = re.compile(r"<!-- run on (\d+) ranks( with megatron-core)? -->\n$")
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 DOTTED = re.compile(r"\b(ps|parallel_state|cp|scheduler)\.([A-Za-z_]\w*)")
 
 
-def _blocks() -> list[tuple[str, int, int | None, str]]:
-    """(page, line of the fence, ranks or None, source) of every python block."""
+def _blocks() -> list[tuple[str, int, int | None, bool, str]]:
+    """(page, line of the fence, ranks or None, whether on megatron-core ranks, source) of every python block."""
     out = []
     for page in PAGES:
         text = open(os.path.join(ROOT, page), encoding="utf-8").read()
@@ -36,8 +37,9 @@ def _blocks() -> list[tuple[str, int, int | None, str]]:
                 assert m.group(1) in ("bash", "text"), f"{page}: a ```{m.group(1)} block: fence it python, bash or text"
                 continue
             ranks = RANKS.search(text, 0, m.start())
-            n = int(ranks.group(1)) if ranks and ranks.end() == m.start() else None
-            out.append((page, text.count("\n", 0, m.start()) + 1, n, m.group(2)))
+            marked = ranks is not None and ranks.end() == m.start()
+            out.append((page, text.count("\n", 0, m.start()) + 1, int(ranks.group(1)) if marked else None,
+                        marked and ranks.group(2) is not None, m.group(2)))
     return out
 
 
@@ -52,7 +54,7 @@ def test_pages_have_blocks_of_both_kinds():
 
 def test_single_process_blocks_run(tmp_path):
     pages: dict[str, list[tuple[int, str]]] = {}
-    for page, line, n, source in BLOCKS:
+    for page, line, n, _, source in BLOCKS:
         if n is None:
             pages.setdefault(page, []).append((line, source))
     # One interpreter for all pages (one torch import), a fresh namespace per page.
@@ -78,9 +80,9 @@ def _run_block(source: str, name: str) -> bool:
     return ps.model_parallel_is_initialized()
 
 
-@pytest.mark.parametrize("page,line,ranks,source", RANK_BLOCKS, ids=[f"{b[0]}:{b[1]}" for b in RANK_BLOCKS])
-def test_rank_block_runs_and_cleans_up(pools, page, line, ranks, source):
-    left = pools(ranks).run(_run_block, source, f"{page}:{line}", timeout=120)
+@pytest.mark.parametrize("page,line,ranks,megatron,source", RANK_BLOCKS, ids=[f"{b[0]}:{b[1]}" for b in RANK_BLOCKS])
+def test_rank_block_runs_and_cleans_up(pools, page, line, ranks, megatron, source):
+    left = pools(ranks, megatron=megatron).run(_run_block, source, f"{page}:{line}", timeout=120)
     assert left == [False] * ranks, f"{page}:{line} left the model-parallel groups initialized"
 
 
