@@ -5,9 +5,10 @@ TE's own CP test's conventions (``tests/pytorch/attention/run_attention_with_cp.
 shards, the global ``cu_seqlens`` / ``cu_seqlens_padded`` for thd, ``set_context_parallel_group(group, ranks,
 stream, comm_type)``, ``[a2a group, p2p group]`` for a2a+p2p): forward and q, k, v gradients equal one process's
 attention under the dense mask (float64 to 1e-10, float32 to 1e-5 relative) on 2 and 4 ranks, for sbhd / bshd /
-thd, no_mask / causal / windows / padding, GQA, MLA, every comm type and CP switched off; bad inputs raise on
-every rank after one agreement round and before any K/V moves; the signatures equal TE's (extracted from its
-source by ``te_signatures.py``).
+thd, no_mask / causal / windows / padding, GQA, MLA, every comm type and CP switched off; bad inputs, and a rank
+departing from a call the others repeat, raise on every rank in the engine call's one check (``cp.call_check``)
+and before any K/V moves; a repeated call runs the engine call's collectives and nothing more; the signatures
+equal TE's (extracted from its source by ``te_signatures.py``).
 """
 
 from __future__ import annotations
@@ -344,9 +345,9 @@ def case_cosmos():
 
 
 def case_errors():
-    """Every bad input raises the same ValueError on every rank, naming what to change, after one small agreement
-    round (one all-to-all: cp.agree) and before any K/V moves; ranks that disagree all raise; nothing is left
-    half-built (the next good call is exact)."""
+    """Every bad input raises the same ValueError on every rank, naming what to change, in the engine call's check
+    (its round, then the full check's: cp.call_check) and before any K/V moves; ranks that disagree all raise;
+    nothing is left half-built (the next good call is exact)."""
     import torch.distributed as dist
 
     g, me = dist.group.WORLD, dist.get_rank()
