@@ -456,51 +456,54 @@ def case_a_rank_departing_from_a_cached_call(group_timeout_s):
         return {"cu_seqlens_q": real, "cu_seqlens_kv": real, **({"cu_seqlens_q_padded": pad,
                                                                   "cu_seqlens_kv_padded": pad} if padded else {})}
 
+    def departing(nccl_path, comm):
+        """Every departure on one path (NCCL's p2p posts no receive before the round, only gloo's does: its path
+        runs all_gather); how many."""
+        def dpa(heads=4, comm=comm, **kwargs):
+            return DotProductAttention(heads, 8, **{"qkv_format": "bshd", **kwargs}, cp_group=g,
+                                       cp_global_ranks=ranks, cp_comm_type=comm)
+
+        base = dpa()
+        packs_dpa = dpa(qkv_format="thd", attn_mask_type="padding_causal")
+        warm = {"bshd": base(mine, mine, mine), "thd": packs_dpa(*[packed[0]] * 3, **cu(0))}
+        repeat = {"bshd": lambda: base(mine, mine, mine), "thd": lambda: packs_dpa(*[packed[0]] * 3, **cu(0))}
+        departures = [  # (the call the others repeat, what cp rank 2 calls instead, the message's fragments)
+            ("bshd", lambda: base(longer, longer, longer), ["their q shape, k shape, v shape differ"]),
+            ("bshd", lambda: dpa(comm="a2a")(mine, mine, mine), ["their cp_comm_type differ", "'a2a'"]),
+            ("bshd", lambda: dpa(attn_mask_type="no_mask")(mine, mine, mine), ["their attention mask differ"]),
+            ("bshd", lambda: dpa(softmax_scale=0.5)(mine, mine, mine), ["their softmax_scale differ", "0.5"]),
+            ("thd", lambda: packs_dpa(*[packed[1]] * 3, **cu(1)), ["attention mask, cu_seqlens differ"]),
+        ]
+        refusals = [  # (the call the others repeat, cp rank 2's bad call, its reason's fragments, fix included)
+            ("bshd", lambda: base(mine[:, :3], mine[:, :3], mine[:, :3]),
+             ["has 12 tokens, not a multiple of 2 * cp_size = 8", "pad every sequence"]),
+            ("thd", lambda: packs_dpa(*[packed[0]] * 3, **cu(0, padded=False)),
+             ["needs cu_seqlens_q_padded and cu_seqlens_kv_padded", "pass cu_seqlens_q as cu_seqlens_q_padded"]),
+            ("bshd", lambda: dpa(6, comm="a2a")(odd_heads, odd_heads, odd_heads),
+             ["scatters heads over 4 ranks, but q has 6 heads", "or cp_comm_type='p2p'"]),
+            ("bshd", lambda: base(mine, mine, mine, core_attention_bias_type="post_scale_bias",
+                                  core_attention_bias=torch.zeros(1)), ["core_attention_bias_type='post_scale_bias'"]),
+        ]
+        for kind, departure, fragments in departures + refusals:
+            refused = (kind, departure, fragments) in refusals
+            if me == odd:  # on NCCL's path a departure names the ranks that repeated (it cannot say more)
+                said = ["repeated a call checked before", "passed another"] if nccl_path and not refused else \
+                    [f"group rank {odd} (global {odd}): "] * (refused and not nccl_path) + fragments
+                raises(ValueError, [WHAT_FORWARD] + said, departure)
+            elif nccl_path:
+                raises(RuntimeError, ["the ranks' calls differ", "PARALLEL_STATE_DEBUG=1"], repeat[kind])
+            else:
+                raises(ValueError, [WHAT_FORWARD] + ([f"group rank {odd} (global {odd}): "] if refused else [])
+                       + fragments[:1], repeat[kind])
+            # Nothing half done: the cached call is exact again, on every rank.
+            assert torch.equal(repeat[kind](), warm[kind]), (kind, fragments)
+        return len(departures + refusals)
+
     found = 0
     try:
         for nccl_path, comm in ((False, "p2p"), (True, "all_gather")):
-            # NCCL's p2p posts no receive before the round (only gloo's does): its path runs all_gather.
             cp.call_check.reads_wait_everywhere = nccl_path
-
-            def dpa(heads=4, comm=comm, **kwargs):
-                return DotProductAttention(heads, 8, **{"qkv_format": "bshd", **kwargs}, cp_group=g,
-                                           cp_global_ranks=ranks, cp_comm_type=comm)
-
-            base = dpa()
-            packs_dpa = dpa(qkv_format="thd", attn_mask_type="padding_causal")
-            warm = {"bshd": base(mine, mine, mine), "thd": packs_dpa(*[packed[0]] * 3, **cu(0))}
-            repeat = {"bshd": lambda: base(mine, mine, mine), "thd": lambda: packs_dpa(*[packed[0]] * 3, **cu(0))}
-            departures = [  # (the call the others repeat, what cp rank 2 calls instead, the message's fragments)
-                ("bshd", lambda: base(longer, longer, longer), ["their q shape, k shape, v shape differ"]),
-                ("bshd", lambda: dpa(comm="a2a")(mine, mine, mine), ["their cp_comm_type differ", "'a2a'"]),
-                ("bshd", lambda: dpa(attn_mask_type="no_mask")(mine, mine, mine), ["their attention mask differ"]),
-                ("bshd", lambda: dpa(softmax_scale=0.5)(mine, mine, mine), ["their softmax_scale differ", "0.5"]),
-                ("thd", lambda: packs_dpa(*[packed[1]] * 3, **cu(1)), ["attention mask, cu_seqlens differ"]),
-            ]
-            refusals = [  # (the call the others repeat, cp rank 2's bad call, its reason's fragments, fix included)
-                ("bshd", lambda: base(mine[:, :3], mine[:, :3], mine[:, :3]),
-                 ["has 12 tokens, not a multiple of 2 * cp_size = 8", "pad every sequence"]),
-                ("thd", lambda: packs_dpa(*[packed[0]] * 3, **cu(0, padded=False)),
-                 ["needs cu_seqlens_q_padded and cu_seqlens_kv_padded", "pass cu_seqlens_q as cu_seqlens_q_padded"]),
-                ("bshd", lambda: dpa(6, comm="a2a")(odd_heads, odd_heads, odd_heads),
-                 ["scatters heads over 4 ranks, but q has 6 heads", "or cp_comm_type='p2p'"]),
-                ("bshd", lambda: base(mine, mine, mine, core_attention_bias_type="post_scale_bias",
-                                      core_attention_bias=torch.zeros(1)), ["core_attention_bias_type='post_scale_bias'"]),
-            ]
-            for kind, departure, fragments in departures + refusals:
-                refused = (kind, departure, fragments) in refusals
-                if me == odd:  # on NCCL's path a departure names the ranks that repeated (it cannot say more)
-                    said = ["repeated a call checked before", "passed another"] if nccl_path and not refused else \
-                        [f"group rank {odd} (global {odd}): "] * (refused and not nccl_path) + fragments
-                    raises(ValueError, [WHAT_FORWARD] + said, departure)
-                elif nccl_path:
-                    raises(RuntimeError, ["the ranks' calls differ", "PARALLEL_STATE_DEBUG=1"], repeat[kind])
-                else:
-                    raises(ValueError, [WHAT_FORWARD] + ([f"group rank {odd} (global {odd}): "] if refused else [])
-                           + fragments[:1], repeat[kind])
-                # Nothing half done: the cached call is exact again, on every rank.
-                assert torch.equal(repeat[kind](), warm[kind]), (kind, fragments)
-                found += 1
+            found += departing(nccl_path, comm)
     finally:
         cp.call_check.reads_wait_everywhere = False
     dist.destroy_process_group(g)
@@ -539,16 +542,14 @@ def case_rounds_of_a_repeated_call():
         return list(seen)
 
     face, engine = {}, {}
+    scale = 8 ** -0.5  # the face's default: 1 / sqrt(kv_channels)
+    plain = {"p2p": lambda: cp.ring_attention(mine, mine, mine, g, plan=plan, softmax_scale=scale),
+             "a2a": lambda: cp.ulysses_attention(mine, mine, mine, g, plan=plan, scale=scale)}
     for comm in ("p2p", "a2a"):
         dpa = DotProductAttention(4, 8, qkv_format="bshd", cp_group=g, cp_global_ranks=list(range(n)),
                                   cp_comm_type=comm)
-        scale = dpa.softmax_scale
         face[comm] = collectives(lambda dpa=dpa: dpa(mine, mine, mine).sum().backward())
-        if comm == "p2p":
-            plain = lambda: cp.ring_attention(mine, mine, mine, g, plan=plan, softmax_scale=scale)  # noqa: E731
-        else:
-            plain = lambda: cp.ulysses_attention(mine, mine, mine, g, plan=plan, scale=scale)  # noqa: E731
-        engine[comm] = collectives(lambda plain=plain: plain().sum().backward())
+        engine[comm] = collectives(lambda comm=comm: plain[comm]().sum().backward())
         assert face[comm] == engine[comm], (comm, face[comm], engine[comm])
         assert face[comm].count(("all_to_all_single", 2)) == 1, face  # the check's one round (two ints a rank)
     # NCCL's path: the first call reads its rounds to the host (the check's and the full check's), a repeat none.
