@@ -239,7 +239,9 @@ def refuse(what: str, reason: str, group: Any, ring_group: Any = None) -> NoRetu
     table = agree.gather(full, group, ring_group)
     if ring_group is None:  # a ring rank may have posted receives from this one: complete them
         transports.wait(transports.send_empty(group, group.rank(), [r[_POSTED:] for r in table], row.device))
-    raise ValueError(f"{what}: {_refusals(table, _names(group, ring_group)[0])}")
+    cut = len(reason.encode()) > REASON_BYTES
+    raise ValueError(f"{what}: {_refusals(table, _names(group, ring_group)[0])}"
+                     + (f" (this rank's reason in full: {reason})" if cut else ""))
 
 
 def refuse_call(call: Call, error: Exception) -> NoReturn:

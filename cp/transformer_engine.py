@@ -164,6 +164,11 @@ _MAX_CALLS = 256
 _LAST_CU: list[Any] = []
 
 
+def _shown(value: Any) -> str:
+    """An argument as a message shows it: a tensor by its shape (its values would crowd out the fix), else repr."""
+    return f"<a tensor of shape {tuple(value.shape)}>" if isinstance(value, torch.Tensor) else repr(value)
+
+
 def _int_tuple(t: Any, name: str) -> tuple[int, ...]:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"DotProductAttention: {name} must be a 1-D integer tensor, got {type(t).__name__}")
@@ -471,7 +476,7 @@ class DotProductAttention(torch.nn.Module):
                      "core_attention_bias_type": "use core_attention_bias_type='no_bias'",
                      "fp8_output": "leave fp8_output False"}
             raise ValueError(f"{what}: cp's engine does not support "
-                             + "; ".join(f"{n}={val!r}" + (f" ({fixes[n]})" if n in fixes else " (leave it None)")
+                             + "; ".join(f"{n}={_shown(val)}" + (f" ({fixes[n]})" if n in fixes else " (leave it None)")
                                          for n, val in unsupported))
         mask_type = _mask_type(what, mask_type)
         window = check_window_size(mask_type, window)

@@ -425,7 +425,8 @@ def case_errors():
 def case_a_rank_departing_from_a_cached_call(group_timeout_s):
     """After a warm-up call resolved by the face and checked on every rank, one rank (cp rank 2) departs while the
     others repeat that call: another shape, comm type, mask, scale or cu_seqlens, or a bad input only it sees (a
-    length not divisible by 2 cp, thd without cu_seqlens_padded, heads a2a cannot scatter, an unsupported option).
+    length not divisible by 2 cp, thd without cu_seqlens_padded, heads a2a cannot scatter, an unsupported option);
+    on one cp group and on a2a+p2p's [a2a, p2p] groups.
     Every rank raises in the one round of the engine call's check (a group with a short timeout: no hang) and the
     warm-up call is exact again after each. gloo's path (every rank reads the round): every rank the same
     ValueError, naming what differs, or the rank and its reason (naming the fix). NCCL's path (forced on gloo): the
@@ -437,9 +438,14 @@ def case_a_rank_departing_from_a_cached_call(group_timeout_s):
     import cp.call_check
 
     n, me = dist.get_world_size(), dist.get_rank()
+    assert n == 4
     odd = 2
     ranks = list(range(n))
-    g = dist.new_group(ranks, timeout=datetime.timedelta(seconds=group_timeout_s))
+    timeout = datetime.timedelta(seconds=group_timeout_s)
+    g = dist.new_group(ranks, timeout=timeout)
+    # a2a+p2p: [a2a group, p2p group] as TE's CP test makes them (cp rank = p2p rank x 2 + a2a rank: global rank)
+    made = [dist.new_group(members, timeout=timeout) for members in ([0, 1], [2, 3], [0, 2], [1, 3])]
+    hierarchical = [made[me // 2], made[2 + me % 2]]
     seq = 4 * n
     bshd = _data((1, 2 * seq, 4, 8), 1)
     mine, longer = (bshd[:, :length].index_select(1, _dual_chunk_swap((0, length), n, me)) for length in (seq, 2 * seq))
@@ -465,14 +471,18 @@ def case_a_rank_departing_from_a_cached_call(group_timeout_s):
 
         base = dpa()
         packs_dpa = dpa(qkv_format="thd", attn_mask_type="padding_causal")
-        warm = {"bshd": base(mine, mine, mine), "thd": packs_dpa(*[packed[0]] * 3, **cu(0))}
-        repeat = {"bshd": lambda: base(mine, mine, mine), "thd": lambda: packs_dpa(*[packed[0]] * 3, **cu(0))}
+        usp = DotProductAttention(4, 8, qkv_format="bshd", cp_group=hierarchical, cp_global_ranks=ranks,
+                                  cp_comm_type="a2a+p2p")
+        repeat = {"bshd": lambda: base(mine, mine, mine), "thd": lambda: packs_dpa(*[packed[0]] * 3, **cu(0)),
+                  "usp": lambda: usp(mine, mine, mine)}
+        warm = {kind: call() for kind, call in repeat.items()}
         departures = [  # (the call the others repeat, what cp rank 2 calls instead, the message's fragments)
             ("bshd", lambda: base(longer, longer, longer), ["their q shape, k shape, v shape differ"]),
             ("bshd", lambda: dpa(comm="a2a")(mine, mine, mine), ["their cp_comm_type differ", "'a2a'"]),
             ("bshd", lambda: dpa(attn_mask_type="no_mask")(mine, mine, mine), ["their attention mask differ"]),
             ("bshd", lambda: dpa(softmax_scale=0.5)(mine, mine, mine), ["their softmax_scale differ", "0.5"]),
             ("thd", lambda: packs_dpa(*[packed[1]] * 3, **cu(1)), ["attention mask, cu_seqlens differ"]),
+            ("usp", lambda: usp(longer, longer, longer), ["their q shape, k shape, v shape differ"]),
         ]
         refusals = [  # (the call the others repeat, cp rank 2's bad call, its reason's fragments, fix included)
             ("bshd", lambda: base(mine[:, :3], mine[:, :3], mine[:, :3]),
@@ -482,19 +492,22 @@ def case_a_rank_departing_from_a_cached_call(group_timeout_s):
             ("bshd", lambda: dpa(6, comm="a2a")(odd_heads, odd_heads, odd_heads),
              ["scatters heads over 4 ranks, but q has 6 heads", "or cp_comm_type='p2p'"]),
             ("bshd", lambda: base(mine, mine, mine, core_attention_bias_type="post_scale_bias",
-                                  core_attention_bias=torch.zeros(1)), ["core_attention_bias_type='post_scale_bias'"]),
+                                  core_attention_bias=torch.zeros(2, 2)),
+             ["core_attention_bias_type='post_scale_bias'", "core_attention_bias=<a tensor of shape (2, 2)>"]),
+            ("usp", lambda: usp(mine[:, :3], mine[:, :3], mine[:, :3]),
+             ["has 12 tokens, not a multiple of 2 * cp_size = 8", "pad every sequence"]),
         ]
         for kind, departure, fragments in departures + refusals:
             refused = (kind, departure, fragments) in refusals
+            named = [f"cp rank {odd}: " if kind == "usp" else f"group rank {odd} (global {odd}): "] * refused
             if me == odd:  # on NCCL's path a departure names the ranks that repeated (it cannot say more)
                 said = ["repeated a call checked before", "passed another"] if nccl_path and not refused else \
-                    [f"group rank {odd} (global {odd}): "] * (refused and not nccl_path) + fragments
+                    named * (not nccl_path) + fragments
                 raises(ValueError, [WHAT_FORWARD] + said, departure)
             elif nccl_path:
                 raises(RuntimeError, ["the ranks' calls differ", "PARALLEL_STATE_DEBUG=1"], repeat[kind])
             else:
-                raises(ValueError, [WHAT_FORWARD] + ([f"group rank {odd} (global {odd}): "] if refused else [])
-                       + fragments[:1], repeat[kind])
+                raises(ValueError, [WHAT_FORWARD] + named + fragments[:1], repeat[kind])
             # Nothing half done: the cached call is exact again, on every rank.
             assert torch.equal(repeat[kind](), warm[kind]), (kind, fragments)
         return len(departures + refusals)
@@ -506,7 +519,8 @@ def case_a_rank_departing_from_a_cached_call(group_timeout_s):
             found += departing(nccl_path, comm)
     finally:
         cp.call_check.reads_wait_everywhere = False
-    dist.destroy_process_group(g)
+    for group in [g, *made]:
+        dist.destroy_process_group(group)
     return found
 
 
@@ -612,7 +626,7 @@ def test_bad_inputs_raise_on_every_rank_before_any_transfer(pools):
 
 
 def test_a_rank_departing_from_a_cached_call_raises_on_every_rank_in_the_one_round(pools):
-    assert pools(4).run(case_a_rank_departing_from_a_cached_call, scaled(20).total_seconds(), timeout=180) == [18] * 4
+    assert pools(4).run(case_a_rank_departing_from_a_cached_call, scaled(20).total_seconds(), timeout=180) == [22] * 4
 
 
 def test_a_repeated_call_runs_the_engine_calls_collectives_only(pools):
