@@ -7,10 +7,12 @@ inputs as a short row of ints, gather every rank's row with ``gather``, and judg
 every rank sees the same table, so every rank raises the same ValueError, or none does.
 ``start`` begins the gather without waiting, so that a caller can compute meanwhile and judge the
 table before it sends anything (``cp.call_check``: attention's check, cached per distinct call).
+A value too wide for a row travels as its ``digest``.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -63,9 +65,14 @@ def start(row: Sequence[int] | torch.Tensor, group: Any, ring_group: Any = None)
     return Pending(work, mine.numel(), finish)
 
 
+def digest(value: Any) -> int:
+    """A 63-bit digest of ``repr(value)``, the same in every process (Python's ``hash`` of a str is not)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "big") >> 1
+
+
 def gather(row: Sequence[int], group: Any, ring_group: Any = None) -> list[list[int]]:
     """Every rank's ``row`` (ints, as many on every rank), in group-rank order (``start``, waited for)."""
     return start(row, group, ring_group).table()
 
 
-__all__ = ["Pending", "gather", "start"]
+__all__ = ["Pending", "digest", "gather", "start"]

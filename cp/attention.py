@@ -341,8 +341,11 @@ def masked_ulysses(call: inputs.Call) -> torch.Tensor:
     what, t, group, n = call.what, call.tensors, call.group, call.n
     m = call.masking
     assert m is not None and call.scale is not None
-    inputs.split(what, t.q, "q", t.h, "head_dim", t.head_dim, n, "number of heads")
-    repeats = t.kv_repeats(what, n)
+    try:  # a rank alone in a head count the group cannot split still takes part in the call's check
+        inputs.split(what, t.q, "q", t.h, "head_dim", t.head_dim, n, "number of heads")
+        repeats = t.kv_repeats(what, n)
+    except ValueError as exc:
+        call_check.refuse_call(call, exc)
     plan, scale = m.plan, call.scale
     whole = masked.schedule(plan, "whole", lambda: (tuple(p for mine in plan.positions for p in mine),), 0,
                             t.q.device)
@@ -355,7 +358,7 @@ def masked_ulysses(call: inputs.Call) -> torch.Tensor:
             raise ValueError(f"{what}: q holds {t.local} tokens but the mask's sequence has {plan.length}; in a "
                              f"group of one the shard is the whole sequence")
         return attn(t.q, t.k, t.v)
-    call_check.check(call, t.tokens())
+    call_check.check(call, call_check.Method.ULYSSES)
     seqs = None if len(set(plan.sizes)) == 1 else [plan.sizes] * 3
     return across_heads(t, group, repeats, seqs, attn)
 

@@ -232,14 +232,24 @@ def masking(what: str, mask: Any, plan: Any, causal: Any, length: int | None, n:
     return Masking(resolved, False, length is None)
 
 
+@dataclass(frozen=True, eq=False)
+class Facts:
+    """What a caller above the attention functions (a face: ``cp.transformer_engine``) adds to a masked call's
+    cross-rank check (``cp.call_check``): its own arguments, named, which every rank must pass alike (compared by
+    digest, shown by value in the message). Made once per distinct call and reused: the check knows it by identity."""
+
+    fields: tuple[tuple[str, Any], ...]
+
+
 @dataclass(frozen=True)
 class Call:
     """One attention call's arguments, checked: what every method computes from.
 
-    ``what``: the public function, which every later message names. ``group``: the ranks attending
-    together (None: one process), ``n`` of them, this rank ``rank`` among them; usp: its Ulysses group,
-    with ``ring_group`` (n = both sizes' product, ``rank`` the cp rank). ``scale``: the scores' scale
-    (None where the caller's ``attn_fn`` applies its own). ``masking``: the plan of a masked call.
+    ``what``: the public function (or the face) that every later message names. ``group``: the ranks
+    attending together (None: one process), ``n`` of them, this rank ``rank`` among them; usp: its Ulysses
+    group, with ``ring_group`` (n = both sizes' product, ``rank`` the cp rank). ``scale``: the scores' scale
+    (None where the caller's ``attn_fn`` applies its own). ``masking``: the plan of a masked call;
+    ``facts``: its caller's arguments for the cross-rank check (a face's).
     """
 
     what: str
@@ -252,19 +262,21 @@ class Call:
     causal: bool = False
     masking: Masking | None = None
     ring_group: Any = None
+    facts: Facts | None = None
 
 
 def masked_call(what: str, q: Any, k: Any, v: Any, group: Any, *, causal: Any, mask: Any, plan: Any, length: Any,
                 seq_dim: Any, head_dim: Any, softmax_scale: Any, n: int, rank: int, ring_group: Any = None,
-                length_group: str | None = None) -> Call:
-    """The ``Call`` of ring / Ulysses / usp attention with ``mask`` or ``plan`` over ``n`` ranks."""
+                length_group: str | None = None, facts: Facts | None = None) -> Call:
+    """The ``Call`` of ring / Ulysses / usp attention with ``mask`` or ``plan`` over ``n`` ranks (``facts``: a
+    face's arguments, checked across the ranks with the call's own)."""
     t = tensors(what, q, k, v, seq_dim, head_dim, n)
     causal = check_causal(what, causal)
     total = check_length(what, length, n, length_group)
     softmax_scale = check_scale(what, softmax_scale, t.feature)
     m = masking(what, mask, plan, causal, total, n, t.local)
-    return Call(what, t, group, n, rank, softmax_scale, total, causal, m, ring_group)
+    return Call(what, t, group, n, rank, softmax_scale, total, causal, m, ring_group, facts)
 
 
-__all__ = ["Call", "Masking", "Tensors", "check_causal", "check_length", "check_scale", "dims", "group_size",
+__all__ = ["Call", "Facts", "Masking", "Tensors", "check_causal", "check_length", "check_scale", "dims", "group_size",
            "masked_call", "masking", "split", "tensors"]

@@ -168,7 +168,7 @@ def masked_ring(call: inputs.Call) -> torch.Tensor:
     check = None
     if call.n > 1:  # started by the engine, judged once this rank's own block is computed, before any K/V moves
         def check(posted: Sequence[int]) -> engine.Confirm:
-            return call_check.start(call, [("q", t.local)], posted)
+            return call_check.start(call, call_check.Method.RING, posted)
     elif t.local != plan.length:
         raise ValueError(f"{call.what}: q holds {t.local} tokens (seq_dim {t.seq_dim}) but the "
                          f"{m.layout(call.n)[0]} is for {plan.length}; without a group, pass the whole sequence")

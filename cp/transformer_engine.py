@@ -8,23 +8,30 @@ its tokens are in TE's layout: every sequence in ``2 * cp`` equal chunks, cp ran
 r and ``2 cp - 1 - r`` (DualChunkSwap; for ``thd`` per sequence over ``cu_seqlens_padded``), which
 ``cp.plan_dual_chunk_swap`` states as a plan; the engine attends by that plan, over the transport
 ``cp_comm_type`` names. A mask that does not depend on positions (``no_mask``) takes any even split.
+
+Each distinct call is resolved once on each rank alone (checks, mask, plan, engine path: ``_CALLS``, no
+communication); under context parallelism its cross-rank check is the engine call's own, one round per call
+(``cp.call_check``), which the face's arguments join (``cp.inputs.Facts``). A rank whose inputs are wrong joins
+that round instead of making the call (``cp.call_check.refuse``), so every rank raises before any K/V moves.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 import cp
-from cp import agree, debug
-from cp.comm import backend_for, global_ranks
+from cp import call_check, inputs
+from cp.attention import masked_ulysses
+from cp.comm import backend_for
+from cp.ring import masked_ring
+from cp.usp import masked_usp
 
 #: Transformer Engine's release whose signatures and semantics this class follows.
 TE_RELEASE = "v2.18"
@@ -69,6 +76,8 @@ MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal", "causal_bottom_r
 ATTENTION_TYPES = ("self", "cross")
 #: What our own keyword arguments are, after TE's: the signature test allows exactly these beyond TE's.
 EXTRA_PARAMETERS = ("mask",)
+#: What forward's messages name.
+WHAT = "DotProductAttention.forward"
 
 
 def _comm_type(what: str, value: Any) -> CommType:
@@ -140,20 +149,24 @@ def _window_mask(window_size: Tuple[int, int]) -> Any:
 
 @dataclass(frozen=True)
 class _Call:
-    """Everything a forward needs that depends only on its key: resolved, checked and agreed once."""
+    """Everything a forward needs that depends only on its key: resolved and checked once, on this rank."""
 
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     used: int | None          # thd: the tokens before the tail (None: all)
     padding: torch.Tensor | None  # thd: True at this rank's padding tokens ([t, 1, 1]), None when there are none
 
 
-#: Calls resolved so far, per cp group (group -> key -> _Call), shared by every layer: a model's layers make the
-#: same few calls. Per group, so that every rank of a group empties its table at the same call (a rank that had
-#: forgotten a call alone would run the agreement round alone).
-_CALLS: dict[Any, dict[tuple[Any, ...], _Call]] = {}
+#: Calls resolved so far by this process, shared by every layer (a model's layers make the same few calls). Only
+#: this rank's own work: a rank that resolves a call again (forgotten, or in another process) makes the same one.
+_CALLS: dict[tuple[Any, ...], _Call] = {}
 _MAX_CALLS = 256
 #: The last ``cu_seqlens`` read to the host: the layers of one step pass the same tensors (one copy per step).
 _LAST_CU: list[Any] = []
+
+
+def _shown(value: Any) -> str:
+    """An argument as a message shows it: a tensor by its shape (its values would crowd out the fix), else repr."""
+    return f"<a tensor of shape {tuple(value.shape)}>" if isinstance(value, torch.Tensor) else repr(value)
 
 
 def _int_tuple(t: Any, name: str) -> tuple[int, ...]:
@@ -175,53 +188,39 @@ def _cu_values(tensors: tuple[Any, ...], names: tuple[str, ...]) -> tuple[Any, .
     return values
 
 
-def _digest(*parts: Any) -> int:
-    """A 63-bit digest of ``parts`` that is the same in every process (Python's hash() of a str is not)."""
-    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
-
-
-#: The fields every rank's call is compared by, in the agreement row (name, how it is shown).
+#: The face's arguments every rank's call is compared by in the cross-rank check, as ``cp.inputs.Facts``.
 _FIELDS = ("qkv_format", "attention mask", "cp_comm_type", "q shape", "k shape", "v shape", "dtype", "cu_seqlens",
            "softmax_scale")
-_MESSAGE_BYTES = 1024
 
 
-def _encode(message: str) -> list[int]:
-    """An error message as ints for the agreement row (utf-8, cut to _MESSAGE_BYTES, 8 bytes per int)."""
-    raw = message.encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
-    return [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, _MESSAGE_BYTES, 8)]
+@dataclass(frozen=True)
+class _Route:
+    """Where a context-parallel call runs: the engine's path for its checked call (``cp.inputs.Call``), the call's
+    group and usp's ring group (those of its check's round, which a rank that cannot make the call joins
+    instead), its ranks and this rank's cp rank."""
+
+    attend: Callable[[inputs.Call], torch.Tensor]
+    group: Any
+    ring_group: Any
+    n: int
+    rank: int
 
 
-def _decode(ints: list[int]) -> str:
-    raw = b"".join(i.to_bytes(8, "little", signed=True) for i in ints)
-    return raw.rstrip(b"\0").decode(errors="replace")
-
-
-def _agree(fields: tuple[Any, ...], problem: str | None, group: Any, ring_group: Any) -> None:
-    """Every rank of the cp group compares its call's fields and its own problem (None: its inputs are fine) with
-    every other rank's, in one gather; all raise the same ValueError if any rank has a problem or they differ."""
-    row = [_digest(f) for f in fields] + [problem is not None] + _encode(problem or "")
-    table = agree.gather(row, group, ring_group)
-    names = None if ring_group is not None else global_ranks(group)
-
-    def who(i: int) -> str:
-        return f"cp rank {i}" if names is None else f"group rank {i} (global {names[i]})"
-
-    width = len(fields)
-    problems: dict[str, list[int]] = {}
-    for i, r in enumerate(table):
-        if r[width]:
-            problems.setdefault(_decode(r[width + 1:]), []).append(i)
-    if problems:
-        raise ValueError("DotProductAttention: " + "; ".join(
-            (f"on every rank of the cp group: {text}" if len(ranks) == len(table)
-             else f"{', '.join(who(i) for i in ranks)}: {text}") for text, ranks in problems.items()))
-    differ = [name for c, name in enumerate(_FIELDS) if len({r[c] for r in table}) > 1]
-    if differ:
-        mine = dict(zip(_FIELDS, fields, strict=True))
-        raise ValueError(f"DotProductAttention: the cp group's ranks call attention differently: their "
-                         f"{', '.join(differ)} differ (this rank: {', '.join(f'{d}={mine[d]!r}' for d in differ)}); "
-                         f"every rank of the group must pass the same settings and shapes")
+def _route(comm: CommType, group: Any) -> _Route | None:
+    """The route of a call under ``cp_comm_type`` over ``cp_group`` (``[a2a, p2p]`` for a2a+p2p: cp rank = p2p rank x
+    a2a size + a2a rank, as usp_attention takes it); None where context parallelism is off."""
+    if isinstance(group, list):
+        a2a, p2p = group
+        u, r = a2a.size(), p2p.size()
+        if u * r == 1:
+            return None
+        rank = p2p.rank() * u + a2a.rank()
+        if u == 1:  # usp_attention's own reductions: the ring alone, or Ulysses alone
+            return _Route(masked_ring, p2p, None, r, rank)
+        return _Route(masked_usp, a2a, None if r == 1 else p2p, u * r, rank)
+    if group is None or group.size() == 1:
+        return None
+    return _Route(masked_ulysses if comm is CommType.A2A else masked_ring, group, None, group.size(), group.rank())
 
 
 class DotProductAttention(torch.nn.Module):
@@ -407,24 +406,27 @@ class DotProductAttention(torch.nn.Module):
         fmt = self.qkv_format if qkv_format is None else qkv_format
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         window = self.window_size if window_size is None else window_size
-        cu = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded) if fmt == "thd" else ()
-        if cu:
-            cu = _cu_values(cu, ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"))
+        cu: tuple[Any, ...] = ()
+        if fmt == "thd":
+            try:
+                cu = _cu_values((cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded),
+                                ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"))
+            except (TypeError, ValueError) as exc:
+                self._refuse(exc)
         group = tuple(self.cp_group) if isinstance(self.cp_group, list) else self.cp_group
-        key = (fmt, mask_type, window, self.mask, unsupported, query_layer.shape, key_layer.shape,
+        if not all(isinstance(t, torch.Tensor) for t in (query_layer, key_layer, value_layer)):
+            self._resolve(fmt, mask_type, window, unsupported, cu, query_layer, key_layer, value_layer)  # raises
+        key = (group, fmt, mask_type, window, self.mask, unsupported, query_layer.shape, key_layer.shape,
                value_layer.shape, query_layer.dtype, query_layer.device, cu, self.cp_comm_type,
                self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head_k,
                self.hidden_size_per_attention_head_v, self.softmax_scale, self.attention_type,
                None if self.cp_global_ranks is None else len(self.cp_global_ranks))
-        calls = _CALLS.get(group)
-        if calls is None:
-            calls = _CALLS[group] = {}
-        call = calls.get(key)
-        if call is None or debug.enabled():
+        call = _CALLS.get(key)
+        if call is None:
             call = self._resolve(fmt, mask_type, window, unsupported, cu, query_layer, key_layer, value_layer)
-            if len(calls) >= _MAX_CALLS:
-                calls.clear()
-            calls[key] = call
+            if len(_CALLS) >= _MAX_CALLS:
+                _CALLS.clear()
+            _CALLS[key] = call
         q, k, v = query_layer, key_layer, value_layer
         if call.used is not None:  # thd: the tail after the last sequence attends nothing (its output is 0)
             q, k, v = q[:call.used], k[:call.used], v[:call.used]
@@ -437,46 +439,44 @@ class DotProductAttention(torch.nn.Module):
 
     def _resolve(self, fmt_name: Any, mask_type: Any, window: Any, unsupported: tuple[Any, ...],
                  cu: tuple[Any, ...], q: Any, k: Any, v: Any) -> _Call:
-        """One distinct call: every check, the mask and plan, the engine function; under context parallelism
-        agreed across the group first (every rank raises the same error, or none does)."""
-        group = self.cp_group
+        """One distinct call, on this rank alone (no communication): every check, the mask and plan, the engine's
+        path. Under context parallelism a bad input becomes this rank's part of the check the other ranks' engine
+        calls run (``cp.call_check.refuse``): every rank raises, naming this rank and what to change."""
         comm = CommType(self.cp_comm_type)
-        if isinstance(group, list):
-            sizes = [g.size() for g in group]
-        else:
-            sizes = [1 if group is None else group.size()]
-        cp_size = math.prod(sizes)
-        problem, call, fields = None, None, ("?",) * len(_FIELDS)
+        route = _route(comm, self.cp_group)
         try:
-            fmt = _qkv_format("DotProductAttention.forward", fmt_name)
-            fields = (fmt.value, "?", comm.value, tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype), cu,
-                      self.softmax_scale)
-            mask, plan_args = self._mask(fmt, mask_type, window, unsupported, q, k, v, cu, cp_size, comm, sizes)
-            fields = fields[:1] + (str(mask),) + fields[2:]
-            call = self._call(fmt, mask, plan_args, q, cp_size, comm, sizes)
+            fmt = _qkv_format(WHAT, fmt_name)
+            mask, plan_args = self._mask(fmt, mask_type, window, unsupported, q, k, v, cu, route, comm)
+            facts = None if route is None else inputs.Facts(tuple(zip(_FIELDS, (
+                fmt.value, str(mask), comm.value, tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype), cu,
+                self.softmax_scale), strict=True)))
+            return self._call(fmt, mask, plan_args, q, route, comm, facts)
         except (TypeError, ValueError) as exc:
-            if cp_size == 1:
-                raise
-            problem = str(exc).removeprefix("DotProductAttention: ").removeprefix("DotProductAttention.forward: ")
-        if cp_size > 1:
-            a2a, ring = (group[0], group[1]) if isinstance(group, list) else (group, None)
-            _agree(fields, problem, a2a, ring)
-        assert call is not None
-        return call
+            self._refuse(exc)
+
+    def _refuse(self, error: Exception) -> NoReturn:
+        """Raise ``error``, a bad input found on this rank alone: as it is without context parallelism, else through
+        this rank's part in the call's cross-rank check (``cp.call_check.refuse``), so that every rank raises (the
+        others naming this rank and the reason) before any K/V moves."""
+        route = _route(CommType(self.cp_comm_type), self.cp_group)
+        if route is None:
+            raise error
+        reason = str(error).removeprefix(f"{WHAT}: ").removeprefix("DotProductAttention: ")
+        call_check.refuse(WHAT, reason, route.group, route.ring_group)
 
     def _mask(self, fmt: QKVFormat, mask_type: str, window: Any, unsupported: tuple[Any, ...], q: Any, k: Any,
-              v: Any, cu: tuple[Any, ...], cp_size: int, comm: CommType, sizes: list[int]
-              ) -> tuple[Any, tuple[Any, ...]]:
+              v: Any, cu: tuple[Any, ...], route: _Route | None, comm: CommType) -> tuple[Any, tuple[Any, ...]]:
         """Check q, k, v and the settings; the mask over the whole sequence and the plan's layout arguments
         (whole length, the padded sequence boundaries, the real tokens' boundaries)."""
-        what = "DotProductAttention.forward"
+        what = WHAT
+        cp_size = 1 if route is None else route.n
         user_mask = self.mask
         if unsupported:
             fixes = {"attention_dropout": "set attention_dropout=0.0 (or call .eval())",
                      "core_attention_bias_type": "use core_attention_bias_type='no_bias'",
                      "fp8_output": "leave fp8_output False"}
             raise ValueError(f"{what}: cp's engine does not support "
-                             + "; ".join(f"{n}={val!r}" + (f" ({fixes[n]})" if n in fixes else " (leave it None)")
+                             + "; ".join(f"{n}={_shown(val)}" + (f" ({fixes[n]})" if n in fixes else " (leave it None)")
                                          for n, val in unsupported))
         mask_type = _mask_type(what, mask_type)
         window = check_window_size(mask_type, window)
@@ -514,7 +514,7 @@ class DotProductAttention(torch.nn.Module):
                 raise ValueError(f"{what}: context parallelism needs self attention (q and k/v the same tokens); got "
                                  f"attention_type={self.attention_type!r}, q {tuple(q.shape)}, k {tuple(k.shape)}; "
                                  f"leave the cross attention's cp_group None")
-            a2a = sizes[0] if comm in (CommType.A2A, CommType.A2A_P2P) else 1
+            a2a = cp_size if comm is CommType.A2A else self.cp_group[0].size() if comm is CommType.A2A_P2P else 1
             if heads % a2a:
                 raise ValueError(f"{what}: cp_comm_type={comm.value!r} scatters heads over {a2a} ranks, but q has "
                                  f"{heads} heads; use a head count divisible by {a2a}, or cp_comm_type='p2p'")
@@ -570,14 +570,16 @@ class DotProductAttention(torch.nn.Module):
                              f"{mask_type!r} with window_size={window}" + ("" if user_mask is None else " and mask="))
         return mask, (q.shape[s] * cp_size, bounds, None)
 
-    def _call(self, fmt: QKVFormat, mask: Any, plan_args: tuple[Any, ...], q: Any, cp_size: int, comm: CommType,
-              sizes: list[int]) -> _Call:
-        """The engine function for this call, with its plan."""
-        what = "DotProductAttention.forward"
+    def _call(self, fmt: QKVFormat, mask: Any, plan_args: tuple[Any, ...], q: Any, route: _Route | None,
+              comm: CommType, facts: inputs.Facts | None) -> _Call:
+        """The engine's path for this call, with its plan (under context parallelism the checked call's, ``facts``
+        joining its cross-rank check)."""
+        what = WHAT
         length, bounds, real = plan_args
         s, h, scale = fmt.seq_dim, fmt.head_dim, self.softmax_scale
         group = self.cp_group
-        if cp_size > 1:
+        cp_size = 1 if route is None else route.n
+        if route is not None:
             for g in group if isinstance(group, list) else [group]:
                 if backend_for(g, q.device.type) is None:
                     raise ValueError(f"{what}: the cp group's backend ({dist.get_backend(g)}) cannot carry tensors on "
@@ -588,14 +590,14 @@ class DotProductAttention(torch.nn.Module):
                 raise ValueError(f"{what}: cp_global_ranks={list(self.cp_global_ranks)} names "
                                  f"{len(self.cp_global_ranks)} ranks but the cp group has {cp_size}")
         used = None if fmt is not QKVFormat.THD or q.shape[0] * cp_size == length else length // cp_size
-        if cp_size == 1:  # one process: the whole sequence in order, any length
+        if route is None:  # one process: the whole sequence in order, any length
             plan, mine = None, torch.arange(length)
         else:
             if mask == cp.Mask.full() and bounds is None:  # no position matters: any even split, no 2 * cp rule
                 plan = cp.plan_dispatch(mask, length, cp_size, method="contiguous", transport=comm.transport)
             else:
                 plan = cp.plan_dual_chunk_swap(mask, length, cp_size, cu_seqlens=bounds, transport=comm.transport)
-            mine = plan.index(self._cp_rank(sizes))
+            mine = plan.index(route.rank)
         padding = None
         if real is not None:
             pad = torch.ones(length, dtype=torch.bool)
@@ -603,36 +605,23 @@ class DotProductAttention(torch.nn.Module):
                 pad[start:start + n] = False
             if bool(pad.any()):
                 padding = pad[mine].view(-1, 1, 1).to(q.device)
-        if cp_size == 1:
-            if mask == cp.Mask.full() or (mask == cp.Mask.causal() and fmt is not QKVFormat.THD):
-                causal = mask == cp.Mask.causal()
-
-                def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
-                    return cp.sdpa_in_layout(q, k, v, seq_dim=s, head_dim=h, is_causal=causal, scale=scale,
-                                             enable_gqa=q.shape[h] != k.shape[h])
-            else:
-                def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
-                    return cp.ring_attention(q, k, v, None, mask=mask, seq_dim=s, head_dim=h, softmax_scale=scale)
-        elif comm in (CommType.P2P, CommType.ALL_GATHER):
-            def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
-                return cp.ring_attention(q, k, v, group, plan=plan, seq_dim=s, head_dim=h, softmax_scale=scale)
-        elif comm is CommType.A2A:
-            def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
-                return cp.ulysses_attention(q, k, v, group, plan=plan, seq_dim=s, head_dim=h, scale=scale)
-        else:  # a2a+p2p: cp_group is [a2a group, p2p group] (set_context_parallel_group made sure)
-            a2a, ring = group
+        if route is not None:  # the engine's masked path, as ring / ulysses / usp_attention(plan=) take it
+            run, on = route.attend, route
 
             def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
-                return cp.usp_attention(q, k, v, ulysses_group=a2a, ring_group=ring, plan=plan, seq_dim=s,
-                                        head_dim=h, softmax_scale=scale)
+                return run(inputs.masked_call(what, q, k, v, on.group, causal=False, mask=None, plan=plan, length=None,
+                                              seq_dim=s, head_dim=h, softmax_scale=scale, n=on.n, rank=on.rank,
+                                              ring_group=on.ring_group, facts=facts))
+        elif mask == cp.Mask.full() or (mask == cp.Mask.causal() and fmt is not QKVFormat.THD):
+            causal = mask == cp.Mask.causal()
+
+            def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
+                return cp.sdpa_in_layout(q, k, v, seq_dim=s, head_dim=h, is_causal=causal, scale=scale,
+                                         enable_gqa=q.shape[h] != k.shape[h])
+        else:
+            def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
+                return cp.ring_attention(q, k, v, None, mask=mask, seq_dim=s, head_dim=h, softmax_scale=scale)
         return _Call(attend, used, padding)
-
-    def _cp_rank(self, sizes: list[int]) -> int:
-        """This rank's cp rank: the group's rank, for ``a2a+p2p`` p2p rank x a2a size + a2a rank."""
-        group = self.cp_group
-        if isinstance(group, list):
-            return group[1].rank() * sizes[0] + group[0].rank()
-        return group.rank()
 
 
 __all__ = ["ATTENTION_TYPES", "CommType", "DotProductAttention", "EXTRA_PARAMETERS", "MASK_TYPES", "QKVFormat",

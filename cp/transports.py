@@ -67,6 +67,18 @@ def add_tokens(dk: torch.Tensor, dv: torch.Tensor, index: torch.Tensor | None, g
         dv.index_add_(-2, index, gv)
 
 
+def send_empty(group: Any, rank: int, posted: Sequence[Sequence[int]], device: torch.device) -> list[Any]:
+    """After a failed check, from group rank ``rank``: start sending every rank of ``group`` the empty bytes it
+    posted a receive for from this one (``posted[i][j]``: group rank i's from group rank j); the works. A rank
+    that posted nothing itself (Ulysses, a rank that could not make its call) still sends the others theirs."""
+    peers = [(i, row[rank]) for i, row in enumerate(posted) if i != rank and row[rank]]
+    if not peers:
+        return []
+    ranks = global_ranks(group)
+    return start_ops([dist.P2POp(dist.isend, torch.zeros(size, dtype=torch.uint8, device=device), ranks[i], group,
+                                 TAG_KV) for i, size in peers])
+
+
 class Transport:
     """This rank's side of the K/V traffic of one pass, on ``schedule`` over ``group`` (see the module doc).
 
@@ -157,10 +169,8 @@ class Transport:
 
     def drain(self, posted: list[list[int]]) -> None:
         """After a failed check: send every rank the empty bytes it posted a receive for from this one
-        (``posted[i][j]``: rank i's from rank j) and complete this rank's own, so that no receive stays posted."""
-        ops = [self.send_op(self.k.new_zeros(row[self.rank], dtype=torch.uint8), i)
-               for i, row in enumerate(posted) if i != self.rank and row[self.rank]]
-        works = start_ops(ops)
+        (``send_empty``) and complete this rank's own, so that no receive stays posted."""
+        works = send_empty(self.group, self.rank, posted, self.k.device)
         self.complete_posted()
         wait(works)
 
@@ -530,4 +540,4 @@ def choose(name: str, group: Any, device: torch.device) -> type[Transport]:
 
 
 __all__ = ["CLASSES", "NAMES", "AllGather", "PointToPoint", "PointToPointAtOnce", "Ring", "Transport", "choose",
-           "starts_all_at_once"]
+           "send_empty", "starts_all_at_once"]

@@ -50,12 +50,10 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_
     n, cp_rank = u * r, j * u + i
     cp_group = f"the cp group ({u} x {r} = {n} ranks)"
     if masked_call:
-        call = inputs.masked_call(what, q, k, v, ulysses_group, causal=causal, mask=mask, plan=plan, length=length,
-                                  seq_dim=seq_dim, head_dim=head_dim, softmax_scale=softmax_scale, n=n,
-                                  rank=cp_rank, ring_group=ring, length_group=cp_group)
-        if r == 1:
-            return masked_ulysses(call)
-        return _masked_usp(call, u, r, j)
+        return masked_usp(inputs.masked_call(what, q, k, v, ulysses_group, causal=causal, mask=mask, plan=plan,
+                                             length=length, seq_dim=seq_dim, head_dim=head_dim,
+                                             softmax_scale=softmax_scale, n=n, rank=cp_rank, ring_group=ring,
+                                             length_group=cp_group))
     t = inputs.tensors(what, q, k, v, seq_dim, head_dim, n)
     causal = inputs.check_causal(what, causal)
     total = inputs.check_length(what, length, n, cp_group)
@@ -84,13 +82,20 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_
     return ulysses(inputs.Call(what, t, ulysses_group, u, i, scale, ulysses_length), ring_fn)
 
 
-def _masked_usp(call: inputs.Call, u: int, r: int, j: int) -> torch.Tensor:
-    """usp_attention with ``mask`` / ``plan`` (``call.masking``) on u x r ranks: Ulysses' exchange around the masked
-    ring over the ring ranks (this rank's ring rank: j)."""
+def masked_usp(call: inputs.Call) -> torch.Tensor:
+    """usp_attention with ``mask`` / ``plan`` (``call.masking``) on u x r ranks (``call.group``: the Ulysses group of
+    u > 1, ``call.ring_group``: the ring of r, None for one): Ulysses' exchange around the masked ring over the
+    ring ranks."""
+    if call.ring_group is None:
+        return masked_ulysses(call)
     t, m, what = call.tensors, call.masking, call.what
     assert m is not None and call.scale is not None
-    inputs.split(what, t.q, "q", t.h, "head_dim", t.head_dim, u, "number of heads")
-    repeats = t.kv_repeats(what, u)
+    u, r, j = call.group.size(), call.ring_group.size(), call.ring_group.rank()
+    try:  # a rank alone in a head count the group cannot split still takes part in the call's check
+        inputs.split(what, t.q, "q", t.h, "head_dim", t.head_dim, u, "number of heads")
+        repeats = t.kv_repeats(what, u)
+    except ValueError as exc:
+        call_check.refuse_call(call, exc)
     plan, scale, ring_group = m.plan, call.scale, call.ring_group
 
     def ring_positions() -> tuple[tuple[int, ...], ...]:
@@ -98,7 +103,7 @@ def _masked_usp(call: inputs.Call, u: int, r: int, j: int) -> torch.Tensor:
         return tuple(tuple(p for i in range(jj * u, jj * u + u) for p in plan.positions[i]) for jj in range(r))
 
     sched = masked.schedule(plan, ("usp", u, r), ring_positions, j, t.q.device)
-    call_check.check(call, t.tokens())
+    call_check.check(call, call_check.Method.USP)
     block = plan.sizes[j * u:(j + 1) * u]
     seqs = None if len(set(block)) == 1 else [block] * 3
 

@@ -83,31 +83,43 @@ def case_checked_once_then_agreed():
     return sorted(seen.values())
 
 
-def _changes(g, plan, mine, me, wrong_rank):
-    """The calls by which rank ``wrong_rank`` departs from the checked one while the others repeat it: (what it
-    passes, the fragments of the full check's message)."""
+def _changes(g, plan, mine, wrong_rank):
+    """The calls by which rank ``wrong_rank`` departs from the checked ring call while the others repeat it: (its
+    call, the fragments of the full check's message, whether it refuses: its own checks fail before the round)."""
     other = cp.plan_dispatch(cp.Mask.causal(), LENGTH, g.size(), transport=plan.transport)
     extra = torch.cat([mine, mine[:, :1]], 1)
+    narrow = mine[:, :, :2]  # 2 heads, which Ulysses cannot split over 4 ranks
     return [
-        ({"q": extra, "plan": plan}, [f"group rank {wrong_rank} (global {wrong_rank}) holds {mine.shape[1] + 1} "
-                                      f"tokens of q, the plan gives it {mine.shape[1]}"]),
-        ({"q": mine, "plan": other}, ["different masks or plans"]),
-        ({"q": mine.float(), "plan": plan}, ["differ beyond their token counts", "float32", "float64"]),
+        (lambda: cp.ring_attention(extra, extra, extra, g, plan=plan),
+         [f"group rank {wrong_rank} (global {wrong_rank}) holds {mine.shape[1] + 1} tokens of q, the plan gives it "
+          f"{mine.shape[1]}"], False),
+        (lambda: cp.ring_attention(mine, mine, mine, g, plan=other), ["different masks or plans"], False),
+        (lambda: cp.ring_attention(mine.float(), mine.float(), mine.float(), g, plan=plan),
+         ["differ beyond their token counts", "float32", "float64"], False),
+        # Another method, all else alike: its collectives differ from the ring's, so the digest names it.
+        (lambda: cp.ulysses_attention(mine, mine, mine, g, plan=plan),
+         ["attend by different methods", "'Ulysses'", "'the ring'"], False),
+        (lambda: cp.ring_attention(mine, mine, mine, g, plan=plan, softmax_scale=0.25),
+         ["different softmax scales", "0.25"], False),
+        # Ulysses cannot split 2 heads over 4 ranks: that rank takes part in the round with its reason (refuses).
+        (lambda: cp.ulysses_attention(narrow, narrow, narrow, g, plan=plan),
+         ["its number of heads (head_dim=2, size 2)", "cannot be split into 4 equal blocks"], True),
     ]
 
 
 def case_a_rank_departing_from_a_checked_call():
-    """Every rank repeats a checked call but one, which changes its token count, its plan or its dtype: gloo reads
-    every round, so every rank takes the full check and raises the same ValueError; then the checked call is exact
-    again. With NCCL's path (the rounds read on the device, run here on gloo), the changed rank raises a ValueError
-    and the others stop at the device-side assertion (a RuntimeError here, on the CPU); a rank whose cache forgot a
-    call that the others remember re-checks without an error."""
+    """Every rank repeats a checked ring call but one, which changes its token count, its plan, its dtype, its
+    method (Ulysses) or scale, or cannot make its call (refuses): gloo reads every round, so every rank takes the
+    full check and raises the same ValueError (naming a refusing rank and its reason); then the checked call is
+    exact again. With NCCL's path (the rounds read on the device, run here on gloo), the changed rank raises a
+    ValueError and the others stop at the device-side assertion (a RuntimeError here, on the CPU); a rank whose
+    cache forgot a call that the others remember re-checks without an error."""
     import torch.distributed as dist
 
     g = dist.group.WORLD
     me, n = g.rank(), g.size()
     mask = cp.Mask.chunk_causal(4)
-    x = _data((1, LENGTH, 2, 4), 2)
+    x = _data((1, LENGTH, 4, 4), 2)
     found = 0
     try:
         for nccl_path in (False, True):
@@ -118,26 +130,29 @@ def case_a_rank_departing_from_a_checked_call():
                 plan = cp.plan_dispatch(mask, LENGTH, n, transport=transport)
                 mine = x.index_select(1, plan.index(me))
                 want = _want(x, mask, plan, me)
-                assert (cp.ring_attention(mine, mine, mine, g, plan=plan) - want).abs().max() < 1e-12
+
+                def repeat(mine=mine, plan=plan):
+                    return cp.ring_attention(mine, mine, mine, g, plan=plan)
+
+                assert (repeat() - want).abs().max() < 1e-12
                 wrong = 1 + c  # a different rank departs each time
-                for change, fragments in _changes(g, plan, mine, me, wrong):
-                    q = change["q"] if me == wrong else mine
-                    p = change["plan"] if me == wrong else plan
-                    if not nccl_path:
-                        raises(ValueError, ["ring_attention", *fragments], cp.ring_attention, q, q, q, g, plan=p)
-                    elif me == wrong:
-                        raises(ValueError, ["ring_attention", "repeated a call checked before", "by group rank"],
-                               cp.ring_attention, q, q, q, g, plan=p)
+                for change, fragments, refuses in _changes(g, plan, mine, wrong):
+                    if me != wrong and nccl_path:
+                        raises(RuntimeError, ["the ranks' calls differ", "PARALLEL_STATE_DEBUG=1"], repeat)
+                    elif me != wrong or not nccl_path:
+                        named = [f"group rank {wrong} (global {wrong}): "] if refuses else []
+                        raises(ValueError, [*named, *fragments], change if me == wrong else repeat)
+                    elif refuses:  # on NCCL's path the refusing rank says its own reason
+                        raises(ValueError, ["ulysses_attention", *fragments], change)
                     else:
-                        raises(RuntimeError, ["the ranks' calls differ", "PARALLEL_STATE_DEBUG=1"],
-                               cp.ring_attention, q, q, q, g, plan=p)
+                        raises(ValueError, ["repeated a call checked before", "by group rank"], change)
                     # Nothing was left half done: the checked call is exact again, on every rank.
-                    assert (cp.ring_attention(mine, mine, mine, g, plan=plan) - want).abs().max() < 1e-12
+                    assert (repeat() - want).abs().max() < 1e-12
                     found += 1
                 # One rank forgot the call (its cache is full of others): it checks again, the others go on.
                 if me == wrong:
                     cp.call_check.clear()
-                assert (cp.ring_attention(mine, mine, mine, g, plan=plan) - want).abs().max() < 1e-12
+                assert (repeat() - want).abs().max() < 1e-12
     finally:
         cp.call_check.reads_wait_everywhere = False
         cp.call_check.clear()
@@ -150,4 +165,4 @@ def test_a_call_is_checked_once_then_agreed_every_call(pools):
 
 
 def test_a_rank_departing_from_a_checked_call_raises_on_every_rank(pools):
-    assert pools(4).run(case_a_rank_departing_from_a_checked_call, timeout=120) == [15] * 4
+    assert pools(4).run(case_a_rank_departing_from_a_checked_call, timeout=180) == [30] * 4

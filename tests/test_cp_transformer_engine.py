@@ -5,9 +5,10 @@ TE's own CP test's conventions (``tests/pytorch/attention/run_attention_with_cp.
 shards, the global ``cu_seqlens`` / ``cu_seqlens_padded`` for thd, ``set_context_parallel_group(group, ranks,
 stream, comm_type)``, ``[a2a group, p2p group]`` for a2a+p2p): forward and q, k, v gradients equal one process's
 attention under the dense mask (float64 to 1e-10, float32 to 1e-5 relative) on 2 and 4 ranks, for sbhd / bshd /
-thd, no_mask / causal / windows / padding, GQA, MLA, every comm type and CP switched off; bad inputs raise on
-every rank after one agreement round and before any K/V moves; the signatures equal TE's (extracted from its
-source by ``te_signatures.py``).
+thd, no_mask / causal / windows / padding, GQA, MLA, every comm type and CP switched off; bad inputs, and a rank
+departing from a call the others repeat, raise on every rank in the engine call's one check (``cp.call_check``)
+and before any K/V moves; a repeated call runs the engine call's collectives and nothing more; the signatures
+equal TE's (extracted from its source by ``te_signatures.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import cp
 from cp.transformer_engine import EXTRA_PARAMETERS, TE_RELEASE, DotProductAttention
 from cpgroups import raises, spying
+from rankpool import scaled
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"te_dot_product_attention_{TE_RELEASE}.json")
 
@@ -343,9 +345,9 @@ def case_cosmos():
 
 
 def case_errors():
-    """Every bad input raises the same ValueError on every rank, naming what to change, after one small agreement
-    round (one all-to-all: cp.agree) and before any K/V moves; ranks that disagree all raise; nothing is left
-    half-built (the next good call is exact)."""
+    """Every bad input raises the same ValueError on every rank, naming what to change, in the engine call's check
+    (its round, then the full check's: cp.call_check) and before any K/V moves; ranks that disagree all raise;
+    nothing is left half-built (the next good call is exact)."""
     import torch.distributed as dist
 
     g, me = dist.group.WORLD, dist.get_rank()
@@ -385,7 +387,8 @@ def case_errors():
         calls = []
         with spying(lambda name, args, kw, calls=calls: calls.append(name)):
             msg = raises(ValueError, ["on every rank of the cp group", *fragments], module, q, k, v, **kwargs)
-        assert calls == ["all_to_all_single"], (msg, calls)  # the agreement round, nothing else
+        # The call's check (cp.call_check): its round of two ints a rank, then the full check's; nothing else.
+        assert calls == ["all_to_all_single"] * 2, (msg, calls)
         found += 1
     # Set-up mistakes raise at once, where they are made (no communication).
     raises(ValueError, ["unsupported communication type cp_comm_type='ring'", "'a2a+p2p'"],
@@ -414,6 +417,181 @@ def case_errors():
     q, k, v = (_data((1, seq, 4, 8), 10 + i) for i in range(3))
     _check("bshd", module, q, k, v, cp.Mask.causal().dense(seq), _dual_chunk_swap((0, seq), len(ranks), me), 1e-10)
     return found
+
+
+# ---------------------------------------------------------------- one check per call: a rank departing from a cached call
+
+
+def case_a_rank_departing_from_a_cached_call(group_timeout_s):
+    """After a warm-up call resolved by the face and checked on every rank, one rank (cp rank 2) departs while the
+    others repeat that call: another shape, comm type, mask, scale or cu_seqlens, or a bad input only it sees (a
+    length not divisible by 2 cp, thd without cu_seqlens_padded, heads a2a cannot scatter, an unsupported option);
+    on one cp group and on a2a+p2p's [a2a, p2p] groups.
+    Every rank raises in the one round of the engine call's check (a group with a short timeout: no hang) and the
+    warm-up call is exact again after each. gloo's path (every rank reads the round): every rank the same
+    ValueError, naming what differs, or the rank and its reason (naming the fix). NCCL's path (forced on gloo): the
+    departing rank names its own mistake, the others stop at the device-side assertion."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import cp.call_check
+
+    n, me = dist.get_world_size(), dist.get_rank()
+    assert n == 4
+    odd = 2
+    ranks = list(range(n))
+    timeout = datetime.timedelta(seconds=group_timeout_s)
+    g = dist.new_group(ranks, timeout=timeout)
+    # a2a+p2p: [a2a group, p2p group] as TE's CP test makes them (cp rank = p2p rank x 2 + a2a rank: global rank)
+    made = [dist.new_group(members, timeout=timeout) for members in ([0, 1], [2, 3], [0, 2], [1, 3])]
+    hierarchical = [made[me // 2], made[2 + me % 2]]
+    seq = 4 * n
+    bshd = _data((1, 2 * seq, 4, 8), 1)
+    mine, longer = (bshd[:, :length].index_select(1, _dual_chunk_swap((0, length), n, me)) for length in (seq, 2 * seq))
+    odd_heads = _data((1, seq, 6, 8), 2).index_select(1, _dual_chunk_swap((0, seq), n, me))
+    # thd: two packs of the same padded total (every rank the same token count), other sequence boundaries
+    unit = 2 * n
+    packs = [(torch.tensor(real, dtype=torch.int32), torch.tensor(padded, dtype=torch.int32))
+             for real, padded in (([0, unit, 2 * unit - 3], [0, unit, 2 * unit]), ([0, 2 * unit - 3], [0, 2 * unit]))]
+    thd = _data((2 * unit, 4, 8), 3)
+    packed = [thd.index_select(0, _dual_chunk_swap(padded.tolist(), n, me)) for _, padded in packs]
+
+    def cu(i, padded=True):
+        real, pad = packs[i]
+        return {"cu_seqlens_q": real, "cu_seqlens_kv": real, **({"cu_seqlens_q_padded": pad,
+                                                                  "cu_seqlens_kv_padded": pad} if padded else {})}
+
+    def departing(nccl_path, comm):
+        """Every departure on one path (NCCL's p2p posts no receive before the round, only gloo's does: its path
+        runs all_gather); how many."""
+        def dpa(heads=4, comm=comm, **kwargs):
+            return DotProductAttention(heads, 8, **{"qkv_format": "bshd", **kwargs}, cp_group=g,
+                                       cp_global_ranks=ranks, cp_comm_type=comm)
+
+        base = dpa()
+        packs_dpa = dpa(qkv_format="thd", attn_mask_type="padding_causal")
+        usp = DotProductAttention(4, 8, qkv_format="bshd", cp_group=hierarchical, cp_global_ranks=ranks,
+                                  cp_comm_type="a2a+p2p")
+        repeat = {"bshd": lambda: base(mine, mine, mine), "thd": lambda: packs_dpa(*[packed[0]] * 3, **cu(0)),
+                  "usp": lambda: usp(mine, mine, mine)}
+        warm = {kind: call() for kind, call in repeat.items()}
+        departures = [  # (the call the others repeat, what cp rank 2 calls instead, the message's fragments)
+            ("bshd", lambda: base(longer, longer, longer), ["their q shape, k shape, v shape differ"]),
+            ("bshd", lambda: dpa(comm="a2a")(mine, mine, mine), ["their cp_comm_type differ", "'a2a'"]),
+            ("bshd", lambda: dpa(attn_mask_type="no_mask")(mine, mine, mine), ["their attention mask differ"]),
+            ("bshd", lambda: dpa(softmax_scale=0.5)(mine, mine, mine), ["their softmax_scale differ", "0.5"]),
+            ("thd", lambda: packs_dpa(*[packed[1]] * 3, **cu(1)), ["attention mask, cu_seqlens differ"]),
+            ("usp", lambda: usp(longer, longer, longer), ["their q shape, k shape, v shape differ"]),
+        ]
+        refusals = [  # (the call the others repeat, cp rank 2's bad call, its reason's fragments, fix included)
+            ("bshd", lambda: base(mine[:, :3], mine[:, :3], mine[:, :3]),
+             ["has 12 tokens, not a multiple of 2 * cp_size = 8", "pad every sequence"]),
+            ("thd", lambda: packs_dpa(*[packed[0]] * 3, **cu(0, padded=False)),
+             ["needs cu_seqlens_q_padded and cu_seqlens_kv_padded", "pass cu_seqlens_q as cu_seqlens_q_padded"]),
+            ("bshd", lambda: dpa(6, comm="a2a")(odd_heads, odd_heads, odd_heads),
+             ["scatters heads over 4 ranks, but q has 6 heads", "or cp_comm_type='p2p'"]),
+            ("bshd", lambda: base(mine, mine, mine, core_attention_bias_type="post_scale_bias",
+                                  core_attention_bias=torch.zeros(2, 2)),
+             ["core_attention_bias_type='post_scale_bias'", "core_attention_bias=<a tensor of shape (2, 2)>"]),
+            ("usp", lambda: usp(mine[:, :3], mine[:, :3], mine[:, :3]),
+             ["has 12 tokens, not a multiple of 2 * cp_size = 8", "pad every sequence"]),
+        ]
+        for kind, departure, fragments in departures + refusals:
+            refused = (kind, departure, fragments) in refusals
+            named = [f"cp rank {odd}: " if kind == "usp" else f"group rank {odd} (global {odd}): "] * refused
+            if me == odd:  # on NCCL's path a departure names the ranks that repeated (it cannot say more)
+                said = ["repeated a call checked before", "passed another"] if nccl_path and not refused else \
+                    named * (not nccl_path) + fragments
+                raises(ValueError, [WHAT_FORWARD] + said, departure)
+            elif nccl_path:
+                raises(RuntimeError, ["the ranks' calls differ", "PARALLEL_STATE_DEBUG=1"], repeat[kind])
+            else:
+                raises(ValueError, [WHAT_FORWARD] + named + fragments[:1], repeat[kind])
+            # Nothing half done: the cached call is exact again, on every rank.
+            assert torch.equal(repeat[kind](), warm[kind]), (kind, fragments)
+        return len(departures + refusals)
+
+    found = 0
+    try:
+        for nccl_path, comm in ((False, "p2p"), (True, "all_gather")):
+            cp.call_check.reads_wait_everywhere = nccl_path
+            found += departing(nccl_path, comm)
+    finally:
+        cp.call_check.reads_wait_everywhere = False
+    for group in [g, *made]:
+        dist.destroy_process_group(group)
+    return found
+
+
+WHAT_FORWARD = "DotProductAttention.forward: "
+
+
+def case_rounds_of_a_repeated_call():
+    """A repeated face call runs exactly the collectives of the engine call it makes with the same plan (a masked
+    ring call: one round of two ints a rank before the K/V, and the backward's; Ulysses: that round and its
+    all-to-alls), forward and backward; on NCCL's path (forced on gloo) it reads no round to the host; with
+    PARALLEL_STATE_DEBUG=1 every call is checked in full."""
+    import torch.distributed as dist
+
+    import cp.agree
+    import cp.call_check
+
+    g = dist.group.WORLD
+    n, me = g.size(), g.rank()
+    seq = 4 * n
+    x = _data((1, seq, 4, 8), 4)
+    plan = cp.plan_dual_chunk_swap(cp.Mask.causal(), seq, n)
+    mine = x.index_select(1, plan.index(me)).requires_grad_(True)
+    seen: list = []
+
+    def record(name, args, kwargs):
+        seen.append((name, args[1].numel() // n) if name == "all_to_all_single" else name)
+
+    def collectives(fn):
+        fn()  # warm: resolved and checked in full once
+        seen.clear()
+        with spying(record):
+            fn()
+        return list(seen)
+
+    face, engine = {}, {}
+    scale = 8 ** -0.5  # the face's default: 1 / sqrt(kv_channels)
+    plain = {"p2p": lambda: cp.ring_attention(mine, mine, mine, g, plan=plan, softmax_scale=scale),
+             "a2a": lambda: cp.ulysses_attention(mine, mine, mine, g, plan=plan, scale=scale)}
+    for comm in ("p2p", "a2a"):
+        dpa = DotProductAttention(4, 8, qkv_format="bshd", cp_group=g, cp_global_ranks=list(range(n)),
+                                  cp_comm_type=comm)
+        face[comm] = collectives(lambda dpa=dpa: dpa(mine, mine, mine).sum().backward())
+        engine[comm] = collectives(lambda comm=comm: plain[comm]().sum().backward())
+        assert face[comm] == engine[comm], (comm, face[comm], engine[comm])
+        assert face[comm].count(("all_to_all_single", 2)) == 1, face  # the check's one round (two ints a rank)
+    # NCCL's path: the first call reads its rounds to the host (the check's and the full check's), a repeat none.
+    reads = []
+    real_table = cp.agree.Pending.table
+    cp.agree.Pending.table = lambda self: (reads.append(1), real_table(self))[1]
+    dpa = DotProductAttention(4, 8, qkv_format="bshd", cp_group=g, cp_comm_type="all_gather")
+    try:
+        cp.call_check.reads_wait_everywhere = True
+        cp.call_check.clear()
+        dpa(mine, mine, mine)
+        first = len(reads)
+        dpa(mine, mine, mine)
+        assert first == 2 and len(reads) == first, (first, reads)
+    finally:
+        cp.call_check.reads_wait_everywhere = False
+        cp.agree.Pending.table = real_table
+    # Debug mode: every call checked in full (the round, then the full check's wider one).
+    os.environ["PARALLEL_STATE_DEBUG"] = "1"
+    try:
+        for _ in range(2):
+            seen.clear()
+            with spying(record):
+                dpa(mine, mine, mine)
+            assert seen[0] == ("all_to_all_single", 2) and seen[1][0] == "all_to_all_single" and seen[1][1] > 2, seen
+    finally:
+        os.environ.pop("PARALLEL_STATE_DEBUG")
+    return face
 
 
 # ---------------------------------------------------------------- tests
@@ -445,6 +623,15 @@ def test_cosmos_predict2_block_with_context_parallel_equals_one_process(pools):
 
 def test_bad_inputs_raise_on_every_rank_before_any_transfer(pools):
     assert pools(2).run(case_errors, timeout=120) == [18, 18]
+
+
+def test_a_rank_departing_from_a_cached_call_raises_on_every_rank_in_the_one_round(pools):
+    assert pools(4).run(case_a_rank_departing_from_a_cached_call, scaled(20).total_seconds(), timeout=180) == [22] * 4
+
+
+def test_a_repeated_call_runs_the_engine_calls_collectives_only(pools):
+    results = pools(4).run(case_rounds_of_a_repeated_call, timeout=120)
+    assert all(r == results[0] for r in results)  # every rank the same collectives
 
 
 def test_signatures_equal_transformer_engines():
