@@ -53,8 +53,17 @@ from cp.comm import global_ranks, meta_device
 from cp.engine import Confirm
 from cp.inputs import Call, Facts, Tensors
 
-#: The flags of a rank's row (see the module doc).
-CHECKED, NEW, WRONG, REFUSED = 0, 1, 2, 3
+
+class Flag(enum.IntEnum):
+    """A rank's flag in the round (see the module doc); ordered, as the checks compare ``>= WRONG``."""
+
+    CHECKED = 0
+    NEW = 1
+    WRONG = 2
+    REFUSED = 3
+
+
+CHECKED, NEW, WRONG, REFUSED = Flag
 #: Distinct calls remembered by this process, the least recently used forgotten first.
 CACHE_SIZE = 64
 #: Tests set it to run, on gloo, the path of a group whose reads would make the CPU wait for a GPU (NCCL).
@@ -173,8 +182,8 @@ def _everyone_reads(flags: Sequence[int], waits: bool) -> bool:
     return not waits or min(flags) > CHECKED
 
 
-def _row(digest: int, flag: int, group: Any) -> torch.Tensor:
-    return torch.tensor([digest, flag], dtype=torch.int64, device=meta_device(group))
+def _row(digest: int, flag: Flag, group: Any) -> torch.Tensor:
+    return torch.tensor([digest, int(flag)], dtype=torch.int64, device=meta_device(group))
 
 
 def start(call: Call, method: Method, posted: Sequence[int] = ()) -> Confirm:
@@ -387,5 +396,5 @@ def _partial(call: Call, table: list[list[int]], digest: int) -> str:
             f"(PARALLEL_STATE_DEBUG=1 has every rank check every call in full and name the difference)")
 
 
-__all__ = ["CACHE_SIZE", "CHECKED", "MAX_FACTS", "Method", "NEW", "REASON_BYTES", "REFUSED", "WRONG", "check",
+__all__ = ["CACHE_SIZE", "CHECKED", "Flag", "MAX_FACTS", "Method", "NEW", "REASON_BYTES", "REFUSED", "WRONG", "check",
            "clear", "refuse", "refuse_call", "start"]
