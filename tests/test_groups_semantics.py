@@ -77,6 +77,7 @@ def case_sharing(topologies):
         before = set(c10d._world.pg_map)
         mps.initialize_model_parallel(**topology)
         theirs, their_world = _same_object_pairs(mps)
+        dist.barrier()  # every rank done connecting its gloo groups before any rank closes them
         mps.destroy_model_parallel()
         mps._HYBRID_DP_CP_GROUPS = {}
         for pg in set(c10d._world.pg_map) - before:  # megatron-core leaks all but its gloo groups
