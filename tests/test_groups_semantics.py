@@ -125,14 +125,16 @@ def test_two_kinds_with_equal_ranks_keep_their_own_collectives(pools):
     assert pools(4).run(case_opposite_order) == [(3.0, 300.0)] * 2 + [(7.0, 700.0)] * 2
 
 
-def _try_all_reduces(groups, absent):
+def _try_all_reduces(groups, absent, timeout):
     """All-reduce on each of ``groups`` at once (one timeout window for all) unless this rank is ``absent``;
-    one outcome per group. Every rank then meets the others in a barrier on WORLD (its own communicator,
-    whose 60 s timeout stays out of the way), so no rank tears its groups down while a peer still waits
-    for its own timeout to fire, and none waits longer than the slowest timeout takes."""
+    one outcome per group ("raised": gloo's own timeout fired, at ``timeout``, the group's). Every rank then
+    meets the others in a barrier on WORLD (its own communicator, whose 60 s timeout stays out of the way),
+    so no rank tears its groups down while a peer still waits for its own timeout to fire, and none waits
+    longer than the slowest timeout takes."""
     import torch
     import torch.distributed as dist
 
+    configured = f"timed out waiting {round(timeout.total_seconds() * 1000)}ms"
     if dist.get_rank() == absent:
         outcomes = ["absent"] * len(groups)
     else:
@@ -146,7 +148,8 @@ def _try_all_reduces(groups, absent):
                 text = str(exc).lower()
                 # A member whose own timeout fires first may close its connections: a peer still waiting
                 # then sees them closed before its own timeout, which is the same failure, seen second-hand.
-                outcomes.append("raised" if "timed out" in text or "timeout" in text else
+                outcomes.append("raised" if configured in text else
+                                f"timed out otherwise: {exc}" if "timed out" in text or "timeout" in text else
                                 "peer gave up" if "closed by peer" in text or "connection reset" in text else
                                 f"other: {exc}")
     dist.barrier()
@@ -155,17 +158,18 @@ def _try_all_reduces(groups, absent):
 
 def case_timeouts(seconds):
     # The default group's timeout is the pool's 60 s and the pool waits 30 s (both times the load
-    # factor): an answer at all proves the kinds' own timeout of a second or so fired. With tp2 x cp2,
+    # factor): an answer at all proves the kinds' own timeout of a second or so fired, and gloo's
+    # message names the configured value (rank 3 is alive, a stalled peer, not a dead one). With tp2 x cp2,
     # rank 3 absent: tp {2, 3} and cp {1, 3} lose one member, the tp x cp group (the whole world) three
     # waiting members; tp {0, 1} and cp {0, 2} complete in the same window.
-    ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2,
-                                 timeout=datetime.timedelta(seconds=seconds))
+    timeout = datetime.timedelta(seconds=seconds)
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2, timeout=timeout)
     return _try_all_reduces([ps.get_tensor_and_context_parallel_group(), ps.get_tensor_model_parallel_group(),
-                             ps.get_context_parallel_group()], 3)
+                             ps.get_context_parallel_group()], 3, timeout)
 
 
 def test_a_kinds_timeout_turns_a_missing_rank_into_an_error(pools):
-    results = pools(4).run(case_timeouts, scaled(1.0).total_seconds(), timeout=30)
+    results = pools(4).run(case_timeouts, round(scaled(1.0).total_seconds(), 3), timeout=30)
     world = [r[0] for r in results]  # tp x cp = the whole world: every member fails, at least one by its own timeout
     assert set(world[:3]) <= {"raised", "peer gave up"} and "raised" in world[:3] and world[3] == "absent", world
     assert [r[1] for r in results] == ["done", "done", "raised", "absent"]  # tp groups {0, 1}, {2, 3}
