@@ -642,7 +642,8 @@ def case_destroy_right_after_initialize(cycles):
 
 
 def test_destroy_right_after_initialize_is_safe(pools):
-    assert pools(4).run(case_destroy_right_after_initialize, 16, timeout=120) == [True] * 4
+    # Each topology twice: the race showed at the first or second cycle.
+    assert pools(4).run(case_destroy_right_after_initialize, 8, timeout=120) == [True] * 4
 
 
 # Accessors: what each one does before initialize_model_parallel (on an initialized torch.distributed).

@@ -299,6 +299,7 @@ def case_megatron_destroy_and_megatron_own_groups():
         dist.all_reduce(t, group=mps.get_context_parallel_group())
         seen["megatron_works"] = t.item()
     finally:
+        dist.barrier()  # every rank done connecting its gloo groups before any rank closes them
         mps.destroy_model_parallel()
         # megatron-core leaves its non-gloo groups to the process; free them so the pool stays clean
         for pg in set(c10d._world.pg_map) - before:

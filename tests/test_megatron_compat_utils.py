@@ -445,6 +445,7 @@ def _groups_and_timeouts(expected_hier, expected_hybrid):
             "symmetric": symmetric,
         } | {"ok": (expected_hier[me], expected_hybrid[me])}
     finally:
+        dist.barrier()  # every rank done connecting its gloo groups before any rank closes them
         for group in made:
             if isinstance(group, dist.ProcessGroup):
                 dist.destroy_process_group(group)

@@ -595,6 +595,7 @@ def case_model_code(world, topology, names, blockers):
             theirs = _run_pieces(names, topology, ProcessGroupCollection.use_mpu_process_groups)
         finally:
             # megatron-core's destroy frees only its gloo groups: free the rest for the next case.
+            dist.barrier()  # every rank done connecting its gloo groups before any rank closes them
             mps.destroy_model_parallel()
             for pg in set(c10d._world.pg_map) - before:
                 dist.destroy_process_group(pg)

@@ -191,6 +191,7 @@ def case_parity(topologies, refused):
         changed = sorted(n for n in names if getattr(mps, n) is not empty[n] and getattr(mps, n) != empty[n])
         their_globals = _globals(mps, changed)
         # megatron-core's destroy leaks every group but the gloo ones: free them for the next case.
+        dist.barrier()  # every rank done connecting its gloo groups before any rank closes them
         mps.destroy_model_parallel()
         mps._HYBRID_DP_CP_GROUPS = {}
         for pg in set(c10d._world.pg_map) - before_groups:

@@ -160,10 +160,10 @@ def case_teletron_initialization(world):
     theirs = _initialize_by_hand(mps, world)
     out["megatron"] = _answers(mps, calls, theirs)
     out["megatron_pgs"] = _pg_collection(ProcessGroupCollection.use_mpu_process_groups(required_pgs=FIELDS), theirs)
+    dist.barrier()  # every rank done connecting its gloo groups before any rank closes them
     mps.destroy_model_parallel()  # frees its gloo groups, leaves the global ranks: put its module back
     for name, value in pristine.items():
         setattr(mps, name, value)
-    dist.barrier()  # every rank done connecting its gloo groups before any rank closes them
     for pg in set(c10d._world.pg_map) - before:
         dist.destroy_process_group(pg)
 

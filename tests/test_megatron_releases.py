@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import datetime
 import inspect
-import json
 import os
-import subprocess
 import sys
 
 import megatron_releases as mr
@@ -121,80 +119,81 @@ def test_every_other_function_takes_exactly_the_release_in_uses_parameters():
     assert sorted(mr.signature_differences("0.16", ps)) == sorted(EXTENDED)
 
 
-_PROBE = r"""
-import datetime, inspect, json, os, sys
-import torch.distributed as dist
-import parallel_state as ps
-from parallel_state import RankGenerator
-import megatron_releases as mr
-out = {"release": ps.megatron_release()}
-if out["release"] in mr.names():
-    out["differences"] = sorted(mr.signature_differences(out["release"], ps))
-names = ["initialize_model_parallel", "get_data_parallel_group", "get_data_parallel_rank",
-         "get_expert_data_parallel_group", "get_expert_data_parallel_rank"]
-out["signatures"] = {n: [[p.name, p.kind.name] for p in inspect.signature(getattr(ps, n)).parameters.values()]
-                     for n in names}
-def target(function):
-    owner, _, method = function.partition(".")
-    return getattr(getattr(ps, owner), method) if method else getattr(ps, function)
-def positional(function):
-    return [p.name for p in inspect.signature(target(function)).parameters.values()
-            if p.kind.name == "POSITIONAL_OR_KEYWORD" and p.name != "self"]
-def refused(function, count):
-    fn = target(function)
-    try:  # one positional value too many: refused before anything runs (a method gets its self first)
-        fn(*range(count + 1 + (fn.__name__ == "__init__")))
-    except TypeError:
-        return True
-    except Exception:
+def case_probe():
+    """What this process binds, as the release its environment declares: run on ranks that were given that
+    environment before they imported parallel_state (a world of one, without megatron-core loaded)."""
+    import dataclasses
+
+    from parallel_state import RankGenerator
+
+    out = {"release": ps.megatron_release()}
+    if out["release"] in mr.names():
+        out["differences"] = sorted(mr.signature_differences(out["release"], ps))
+    names = ["initialize_model_parallel", "get_data_parallel_group", "get_data_parallel_rank",
+             "get_expert_data_parallel_group", "get_expert_data_parallel_rank"]
+    out["signatures"] = {n: [[p.name, p.kind.name] for p in inspect.signature(getattr(ps, n)).parameters.values()]
+                         for n in names}
+
+    def target(function):
+        owner, _, method = function.partition(".")
+        return getattr(getattr(ps, owner), method) if method else getattr(ps, function)
+
+    def positional(function):
+        return [p.name for p in inspect.signature(target(function)).parameters.values()
+                if p.kind.name == "POSITIONAL_OR_KEYWORD" and p.name != "self"]
+
+    def refused(function, count):
+        fn = target(function)
+        try:  # one positional value too many: refused before anything runs (a method gets its self first)
+            fn(*range(count + 1 + (fn.__name__ == "__init__")))
+        except TypeError:
+            return True
+        except Exception:
+            return False
         return False
-    return False
-from parallel_state.topology.release_table import SIGNATURES
-out["table"] = {f: [positional(f), refused(f, len(positional(f)))] for f in SIGNATURES}
-def made_from_text(fn):  # not a def of a file of the package at the line its code names
-    code = fn.__code__
-    if not (code.co_filename.startswith(os.path.dirname(ps.__file__)) and os.path.isfile(code.co_filename)):
-        return True
-    with open(code.co_filename, encoding="utf-8") as f:
-        return f"def {code.co_name}(" not in f.read().splitlines()[code.co_firstlineno - 1]
-import dataclasses
-def functions(obj):  # a function, or a class's own __init__ (a dataclass's is written from its fields)
-    own = inspect.isclass(obj) and not dataclasses.is_dataclass(obj)
-    return [fn for fn in (obj, getattr(obj, "__init__", None) if own else None) if inspect.isfunction(fn)]
-out["made_from_text"] = sorted(name for name in dir(ps) for fn in functions(getattr(ps, name))
-                               if fn.__module__.startswith("parallel_state") and made_from_text(fn))
-dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
-ps.initialize_model_parallel(timeout=datetime.timedelta(seconds=20))
-def outcome(fn, *args):
-    try:
-        fn(*args)
-        return "ok"
-    except Exception as exc:
-        return type(exc).__name__ + ": " + str(exc)[:400]
-out["dp(False, True)"] = outcome(ps.get_data_parallel_group, False, True)
-out["dp(True, True, True)"] = outcome(ps.get_data_parallel_group, True, True, True)
-out["edp_rank(True)"] = outcome(ps.get_expert_data_parallel_rank, True)
-out["all_ranks"] = ps.get_all_ranks()
-out["rank_generator_order"] = RankGenerator(tp=1, ep=1, dp=1, pp=1, cp=1, order="tp-dp").order
-ps.destroy_model_parallel()
-dist.destroy_process_group()
-print(json.dumps(out))
-"""
+
+    out["table"] = {f: [positional(f), refused(f, len(positional(f)))] for f in SIGNATURES}
+
+    def made_from_text(fn):  # not a def of a file of the package at the line its code names
+        code = fn.__code__
+        if not (code.co_filename.startswith(os.path.dirname(ps.__file__)) and os.path.isfile(code.co_filename)):
+            return True
+        with open(code.co_filename, encoding="utf-8") as f:
+            return f"def {code.co_name}(" not in f.read().splitlines()[code.co_firstlineno - 1]
+
+    def functions(obj):  # a function, or a class's own __init__ (a dataclass's is written from its fields)
+        own = inspect.isclass(obj) and not dataclasses.is_dataclass(obj)
+        return [fn for fn in (obj, getattr(obj, "__init__", None) if own else None) if inspect.isfunction(fn)]
+
+    out["made_from_text"] = sorted(name for name in dir(ps) for fn in functions(getattr(ps, name))
+                                   if fn.__module__.startswith("parallel_state") and made_from_text(fn))
+    ps.initialize_model_parallel(timeout=datetime.timedelta(seconds=20))
+
+    def outcome(fn, *args):
+        try:
+            fn(*args)
+            return "ok"
+        except Exception as exc:
+            return type(exc).__name__ + ": " + str(exc)[:400]
+
+    out["dp(False, True)"] = outcome(ps.get_data_parallel_group, False, True)
+    out["dp(True, True, True)"] = outcome(ps.get_data_parallel_group, True, True, True)
+    out["edp_rank(True)"] = outcome(ps.get_expert_data_parallel_rank, True)
+    out["all_ranks"] = ps.get_all_ranks()
+    out["rank_generator_order"] = RankGenerator(tp=1, ep=1, dp=1, pp=1, cp=1, order="tp-dp").order
+    return out
 
 
-def _probe(release, tmp_path):
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, releases.ENV: release,
-           "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
-    run = subprocess.run([sys.executable, "-c", _PROBE, str(tmp_path / f"store{release}")], env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+def _probe(release, pools):
+    # A rank of its own pool: the release is in its environment before it imports parallel_state, as in a
+    # fresh process, but forked from the session's torch template instead of starting an interpreter.
+    [out] = pools(1, megatron=False, release=release).run(case_probe)
+    return out
 
 
 @pytest.mark.parametrize("release", ["0.17", "0.18", "0.19"])
-def test_a_process_binds_as_the_release_it_declares(tmp_path, release):
-    out = _probe(release, tmp_path)
+def test_a_process_binds_as_the_release_it_declares(pools, release):
+    out = _probe(release, pools)
     assert out["release"] == release
     assert out["made_from_text"] == []  # the release's functions are defs of the checked-in source
     assert out["differences"] == sorted(EXTENDED)  # every other function: exactly the release's parameters
@@ -219,8 +218,8 @@ def test_a_process_binds_as_the_release_it_declares(tmp_path, release):
     assert out["rank_generator_order"] == "tp-dp-pp-ep-cp-gtp_remat"
 
 
-def test_an_unknown_release_takes_only_the_positions_every_release_shares(tmp_path):
-    out = _probe("0.20", tmp_path)
+def test_an_unknown_release_takes_only_the_positions_every_release_shares(pools):
+    out = _probe("0.20", pools)
     assert out["made_from_text"] == []
     positional = {n: [p for p, kind in sig if kind == "POSITIONAL_OR_KEYWORD"] for n, sig in out["signatures"].items()}
     assert len(positional["initialize_model_parallel"]) == 9

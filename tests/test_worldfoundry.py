@@ -18,6 +18,7 @@ import math
 import os
 import subprocess
 import sys
+import uuid
 from enum import IntEnum
 from types import SimpleNamespace
 
@@ -514,36 +515,37 @@ def case_silent_master():
     return err
 
 
-def case_late_outcome():
+def case_late_outcome(tag):
     """A worker whose op outlasts the group's timeout: the outcome round (the store's) names it on the master."""
     import datetime
-    import time
 
     import torch
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
-    rank = dist.get_rank()
+    rank, store = dist.get_rank(), c10d._get_default_store()
     group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
     coord = distributed.RankCoordinator(device=torch.device("cpu"), signal_type=Sig, is_master=rank == 0, group=group)
 
     def slow(payload):
-        if rank == 1:
-            time.sleep(3.5)
+        if rank == 1:  # the op lasts until the master has given up on it, however long its timeout took
+            store.wait([f"{tag}/master gave up"], datetime.timedelta(seconds=60))
         return payload
 
     coord.register(signal=Sig.ECHO, method_name="slow",
                    callback=lambda: coord.invoke(signal=Sig.ECHO, payload=None, handler=slow))
     if rank == 0:
         err = _raises(coord.invoke, signal=Sig.ECHO, payload="x", handler=slow)
+        store.set(f"{tag}/master gave up", "1")
     else:
         err = _raises(coord.worker_loop, exit_signal=Sig.EXIT)
-    dist.barrier()  # on the default group: the master waits here while the worker sleeps and reports
+    dist.barrier()  # on the default group: the master waits here while the worker finishes and reports
     dist.destroy_process_group(group)
     return err
 
 
 def test_an_outcome_round_names_the_rank_that_never_reported(pools):
-    master, worker = pools(2).run(case_late_outcome)
+    master, worker = pools(2).run(case_late_outcome, uuid.uuid4().hex)
     assert master.startswith("ParallelStateError: rank 0: reporting the outcome of ECHO failed"), master
     assert "rank(s) 1 of 2 did not arrive within the timeout (0:00:02)" in master
     assert worker.startswith("ParallelStateError: rank 1: reporting the outcome of ECHO failed"), worker
