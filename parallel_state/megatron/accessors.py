@@ -39,7 +39,7 @@ from parallel_state.megatron.answers import lookup as _lookup
 from parallel_state.topology import answer_keys, kinds, releases
 from parallel_state.topology.answer_keys import INITIALIZED, VPP_SIZE, AnswerKey, Fact
 from parallel_state.topology.arguments import flag, non_negative_int
-from parallel_state.topology.kinds import DP, DP_CP, EMBD, HYBRID, PP
+from parallel_state.topology.kinds import DP_CP, EMBD, HYBRID, PP
 
 # <generated: accessors> by `python -m parallel_state.tools.generate` from accessor_keys.RULES and the release table
 #: Each global an accessor reads on its fast path, and the key of the answer it holds (``_refresh``
@@ -1242,16 +1242,19 @@ _st.on_change(_refresh)  # registered after answers.refresh (imported above), so
 # --- the accessors written by hand -----------------------------------------------------------
 
 # The keys they read, made once (making a key costs more than reading its answer).
-_KEY_DP_EXISTS, _KEY_DP_CP_GROUP, _KEY_HYBRID_GROUPS = DP.key(Fact.EXISTS), DP_CP.key(Fact.GROUP), HYBRID.key(Fact.GROUPS)
+_KEY_DP_CP_GROUP, _KEY_HYBRID_GROUPS = DP_CP.key(Fact.GROUP), HYBRID.key(Fact.GROUPS)
 _KEY_PP_IS_FIRST, _KEY_PP_IS_LAST = PP.key(Fact.IS_FIRST), PP.key(Fact.IS_LAST)
 _KEY_EMBD_IN, _KEY_EMBD_RANKS = EMBD.key(Fact.IN), EMBD.key(Fact.RANKS)
 
 
 def is_unitialized() -> bool:
     """Deprecated megatron-core spelling of ``not is_initialized()``."""
-    # Level 1, as megatron-core: a deeper level walks frames on every call of a hot deprecated name.
+    # stacklevel 1, as megatron-core: a deeper level walks frames on every call of a hot deprecated name.
     warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, 1)
-    return not _A.get(_KEY_DP_EXISTS, False)
+    try:
+        return not _DP_EXISTS  # is_initialized's answer, one global read
+    except NameError:
+        return not answer("is_initialized")
 
 
 def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, group_size: int | None = None) -> Any:
