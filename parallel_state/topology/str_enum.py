@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import sys
 from enum import Enum
+from typing import Any, Sequence, TypeVar
+
+from parallel_state.errors import ParallelStateValueError
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -20,4 +23,17 @@ else:  # pragma: no cover - Python 3.10
         __str__ = str.__str__
         __format__ = str.__format__
 
-__all__ = ["StrEnum"]
+T = TypeVar("T", bound=str)
+
+
+def one_of(what: str, name: str, value: Any, allowed: Sequence[T], tail: str = "") -> T:
+    """The entry of ``allowed`` (members, or plain strings such as a request's "auto") that ``value`` equals: a
+    member given as its string comes back as the member. ValueError listing the allowed values as plain strings
+    (then ``tail``) for anything else."""
+    for entry in allowed:
+        if value == entry:
+            return entry
+    raise ParallelStateValueError(f"{what}: {name}={value!r} is not one of {tuple(str(e) for e in allowed)}{tail}")
+
+
+__all__ = ["StrEnum", "one_of"]
