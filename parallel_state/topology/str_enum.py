@@ -33,7 +33,8 @@ def one_of(what: str, name: str, value: Any, allowed: Sequence[T], tail: str = "
     for entry in allowed:
         if value == entry:
             return entry
-    raise ParallelStateValueError(f"{what}: {name}={value!r} is not one of {tuple(str(e) for e in allowed)}{tail}")
+    shown = repr(value.value if isinstance(value, Enum) else value)  # as the user would type it
+    raise ParallelStateValueError(f"{what}: {name}={shown} is not one of {tuple(str(e) for e in allowed)}{tail}")
 
 
 __all__ = ["StrEnum", "one_of"]
