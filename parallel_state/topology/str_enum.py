@@ -3,7 +3,8 @@
 A member is its name as a ``str`` (``Dim.TP == "tp"``, same hash), so it keys the dicts that
 plain names key and formats as the name; a misspelt member is an AttributeError where the
 module naming it is imported, not a KeyError when the name is first looked up. Python 3.11's
-``enum.StrEnum``; on 3.10 (which lacks it) the same behaviour on ``(str, Enum)``.
+``enum.StrEnum``; on 3.10 (which lacks it) the same behaviour on ``(str, Enum)``. ``one_of`` turns a
+string an API was given into the member, at the boundary.
 """
 
 from __future__ import annotations
