@@ -342,8 +342,9 @@ def _judge(call: Call, table: list[list[int]], who: Callable[[int], str], unit: 
         return (f"the ranks passed different masks or plans (checksums by {unit} rank: "
                 f"{[r[_FINGERPRINT] for r in table]}); pass the same mask and plan on every rank")
     if len({r[_TRANSPORT] for r in table}) > 1:
-        return (f"the ranks' plans ask for different transports ({[transports.NAMES[r[_TRANSPORT]] for r in table]} "
-                f"by {unit} rank); pass the same plan on every rank")
+        asked = [str(transports.NAMES[r[_TRANSPORT]]) for r in table]  # the strings: a list shows members' reprs
+        return (f"the ranks' plans ask for different transports ({asked} by {unit} rank); pass the same plan on "
+                f"every rank")
     bad = [f"{who(i)} holds {r[_TOKENS]} tokens of q, the {layout} gives it {want[i]}"
            for i, r in enumerate(table) if r[_TOKENS] != want[i]]
     if bad:

@@ -226,7 +226,7 @@ def masking(what: str, mask: Any, plan: Any, causal: Any, length: int | None, n:
         return Masking(plan, True, False)
     total = n * local if length is None else length
     try:  # the plain contiguous split (plans are cached by plan_dispatch)
-        resolved = ps.plan_dispatch(mask, total, n, method="contiguous")
+        resolved = ps.plan_dispatch(mask, total, n, method=ps.Layout.CONTIGUOUS)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{what}: {exc}") from None
     return Masking(resolved, False, length is None)

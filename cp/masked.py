@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+import parallel_state as ps
 from cp import engine, mask_schedule, transports
 from cp.engine import AttentionCall, StartCheck
 from cp.inputs import Tensors
@@ -35,11 +36,11 @@ def schedule(plan: Any, positions_key: Any, positions: Any, rank: int, device: t
     return mask_schedule.cached(plan, (positions_key, rank, str(device)), make)
 
 
-def attend(t: Tensors, sched: Schedule, group: Any, scale: float, transport: str = "p2p",
+def attend(t: Tensors, sched: Schedule, group: Any, scale: float, transport: ps.Transport = ps.Transport.P2P,
            check: StartCheck | None = None) -> torch.Tensor:
     """Masked attention for ``t``'s q, k, v (K/V heads dividing q's: GQA); this rank's output in q's layout, by
     cp.engine with ``transport`` (a plan's name for it). Every rank of ``group`` (None: one process) must call it.
     ``check``: starts the cross-rank check, which the engine judges once this rank's own block is computed."""
-    chosen = transports.choose(transport if group is not None else "p2p", group, t.q.device)
+    chosen = transports.choose(transport if group is not None else ps.Transport.P2P, group, t.q.device)
     call = AttentionCall(t.s, t.h, t.groups, scale, group, sched, chosen, check)
     return engine.attend(call, t.q, t.k, t.v)

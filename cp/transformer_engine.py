@@ -60,14 +60,15 @@ class QKVFormat(enum.Enum):
 class CommType(enum.Enum):
     """TE's ``cp_comm_type``, and the engine call each one becomes."""
 
-    P2P = "p2p"              # cp.ring_attention, K/V point to point from owner to reader (plan transport "p2p")
-    ALL_GATHER = "all_gather"  # cp.ring_attention, K/V gathered once (plan transport "allgather")
+    P2P = "p2p"              # cp.ring_attention, K/V point to point from owner to reader (cp.Transport.P2P)
+    ALL_GATHER = "all_gather"  # cp.ring_attention, K/V gathered once (cp.Transport.ALLGATHER)
     A2A = "a2a"              # cp.ulysses_attention: heads scattered, the whole sequence gathered
     A2A_P2P = "a2a+p2p"      # cp.usp_attention over [a2a group, p2p group]
 
     @property
-    def transport(self) -> str:
-        return "allgather" if self is CommType.ALL_GATHER else "p2p"
+    def transport(self) -> cp.Transport:
+        """The plan's transport this comm type runs (Ulysses' and usp's ring part: point to point)."""
+        return cp.Transport.ALLGATHER if self is CommType.ALL_GATHER else cp.Transport.P2P
 
 
 #: TE's mask types (``transformer_engine.pytorch.constants.AttnMaskTypes``), after its normalisation.
@@ -594,7 +595,7 @@ class DotProductAttention(torch.nn.Module):
             plan, mine = None, torch.arange(length)
         else:
             if mask == cp.Mask.full() and bounds is None:  # no position matters: any even split, no 2 * cp rule
-                plan = cp.plan_dispatch(mask, length, cp_size, method="contiguous", transport=comm.transport)
+                plan = cp.plan_dispatch(mask, length, cp_size, method=cp.Layout.CONTIGUOUS, transport=comm.transport)
             else:
                 plan = cp.plan_dual_chunk_swap(mask, length, cp_size, cu_seqlens=bounds, transport=comm.transport)
             mine = plan.index(route.rank)

@@ -7,7 +7,8 @@ step t sends and receives: ring and p2p the transfer for step t + 1, overlapping
 ``kv(t, block)`` (block t's K and V), ``finish(t)`` (wait for step t's transfers) and, after a failed
 cross-rank check, ``drain``. The backward's dK/dV go through the pass's ``gradients(dtype)``: the
 transport's own ``Gradients``, which ``add``s each step's block and returns this rank's own ``result()``.
-A new transport is one subclass of ``Transport`` (with its ``Gradients``) and its name in ``CLASSES``.
+A new transport is one member of ``parallel_state.Transport`` (``cp.Transport``: the plans' closed set) and one
+subclass of ``Transport`` here (with its ``Gradients``) whose ``name`` is that member, listed in ``CLASSES``.
 
 - ``"ring"`` (``Ring``): at step t every rank passes the whole block it holds on to rank + 1, while a rank
   further down the ring still needs it (causal on the contiguous split: rank i computes i + 1
@@ -39,6 +40,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 import torch.distributed as dist
 
+import parallel_state as ps
 from cp.comm import backend_for, global_ranks
 from cp.mask_schedule import Block, Schedule, Send
 
@@ -86,7 +88,7 @@ class Transport:
     """
 
     #: The name a plan asks for it by (``DispatchPlan.transport``).
-    name: ClassVar[str]
+    name: ClassVar[ps.Transport]
     #: Whether the pass posts its receives before a round after which every rank has posted (p2p on gloo).
     posts_first: ClassVar[bool] = False
 
@@ -209,7 +211,7 @@ class Transport:
 class Ring(Transport):
     """Whole blocks passed on to rank + 1 while a rank further down the ring needs them."""
 
-    name = "ring"
+    name = ps.Transport.RING
 
     def __init__(self, *args: Any):
         super().__init__(*args)
@@ -292,7 +294,7 @@ class Ring(Transport):
 class PointToPoint(Transport):
     """Only the needed tokens, straight from their owner, step by step (at step t to rank + t, from rank - t)."""
 
-    name = "p2p"
+    name = ps.Transport.P2P
 
     def __init__(self, *args: Any):
         super().__init__(*args)
@@ -454,7 +456,7 @@ class PointToPointAtOnce(PointToPoint):
 class AllGather(Transport):
     """One all-gather of every rank's K/V (each shard padded to the longest); dK/dV back in one all-to-all."""
 
-    name = "allgather"
+    name = ps.Transport.ALLGATHER
 
     def __init__(self, *args: Any):
         super().__init__(*args)
@@ -519,9 +521,10 @@ class AllGather(Transport):
             return self.dk, self.dv
 
 
-#: Every transport, by the name a plan asks for it by.
-CLASSES: dict[str, type[Transport]] = {cls.name: cls for cls in (Ring, PointToPoint, AllGather)}
-NAMES = tuple(CLASSES)
+#: Every transport's class, by the member a plan asks for it by (a member's string finds it too).
+CLASSES: dict[ps.Transport, type[Transport]] = {cls.name: cls for cls in (Ring, PointToPoint, AllGather)}
+#: The transports, in ``parallel_state.Transport``'s order (tests check that CLASSES has each).
+NAMES = tuple(ps.Transport)
 
 
 def starts_all_at_once(backend: str | None) -> bool:
@@ -531,11 +534,12 @@ def starts_all_at_once(backend: str | None) -> bool:
     return backend == "gloo"
 
 
-def choose(name: str, group: Any, device: torch.device) -> type[Transport]:
-    """The class that runs transport ``name`` over ``group`` (None: one process) for tensors on ``device``."""
+def choose(name: ps.Transport | str, group: Any, device: torch.device) -> type[Transport]:
+    """The class that runs transport ``name`` (a member or its string) over ``group`` (None: one process) for
+    tensors on ``device``."""
     cls = CLASSES.get(name)
     if cls is None:
-        raise ValueError(f"cp attention: transport={name!r} is not one of {NAMES}")
+        raise ValueError(f"cp attention: transport={name!r} is not one of {tuple(map(str, NAMES))}")
     return cls.on(None if group is None else backend_for(group, device.type))
 
 

@@ -159,8 +159,8 @@ from parallel_state.runtime.mesh import device_mesh, fsdp_mesh  # noqa: F401
 from parallel_state.runtime.resolve import collective_device, resolve_global_rank, resolve_world_size  # noqa: F401
 from parallel_state.topology.attention_mask import AttentionMask  # noqa: F401
 from parallel_state.topology.cp_plan import ContextParallelPlan, plan_context_parallel, shard_sizes  # noqa: F401
-from parallel_state.topology.dispatch_cost import AttentionShape, CostRates  # noqa: F401
-from parallel_state.topology.dispatch_plan import DispatchPlan, plan_dispatch, plan_dual_chunk_swap  # noqa: F401
+from parallel_state.topology.dispatch_cost import AttentionShape, CostRates, Transport  # noqa: F401
+from parallel_state.topology.dispatch_plan import DispatchPlan, Layout, plan_dispatch, plan_dual_chunk_swap  # noqa: F401
 from parallel_state.topology.init_arguments import InitArguments  # noqa: F401
 from parallel_state.topology.plan import (  # noqa: F401
     DEFAULT_ORDER,

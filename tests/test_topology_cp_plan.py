@@ -208,6 +208,10 @@ def test_masked_plan_errors():
         masked.dispatch_plan("zigzag")
     with pytest.raises(ValueError, match="head_dim and batch must be >= 1"):
         masked.masked_bytes_per_rank(2, 0)
+    with pytest.raises(ValueError, match=r"masked_bytes_per_rank: transport='nccl' is not one of \('p2p', "):
+        masked.masked_bytes_per_rank(2, 64, transport="nccl")  # once priced as the ring, silently
+    assert masked.masked_bytes_per_rank(2, 64, transport="ring") == masked.masked_bytes_per_rank(
+        2, 64, transport=ps.Transport.RING) != masked.masked_bytes_per_rank(2, 64, transport="p2p")
     with pytest.raises(ValueError, match="AttentionShape: head_dim must be >= 1, got 0"):
         plan_context_parallel(shape, 8, 12, mask=ps.AttentionMask.causal(), head_dim=0)
     with pytest.raises(TypeError, match="rates must be a CostRates"):

@@ -243,6 +243,38 @@ def test_never_predicted_slower_than_the_contiguous_split():
                         assert c.balance <= 1.05, (mask, cp_size, c)
 
 
+def test_layout_and_transport_are_closed_sets_given_as_strings_or_members():
+    import json
+    import pickle
+
+    from cp import transports
+
+    assert cp.Layout is ps.Layout and cp.Transport is ps.Transport and set(transports.CLASSES) == set(ps.Transport)
+    mask = Mask.causal()
+    plan = plan_dispatch(mask, 64, 4, method="contiguous", transport="allgather")
+    assert plan.method is ps.Layout.CONTIGUOUS and plan.transport is ps.Transport.ALLGATHER
+    assert all(type(c.method) is ps.Layout and type(c.transport) is ps.Transport for c in plan.candidates)
+    same = plan_dispatch(mask, 64, 4, method=ps.Layout.CONTIGUOUS, transport=ps.Transport.ALLGATHER)
+    assert same == plan and hash(same) == hash(plan) and plan.method == "contiguous"
+    assert plan.fingerprint() == 499366947455672227  # the digest of the plan when these were plain strings
+    back = pickle.loads(pickle.dumps(plan))
+    assert back == plan and back.method is ps.Layout.CONTIGUOUS and back.transport is ps.Transport.ALLGATHER
+    assert json.loads(json.dumps({"method": plan.method, plan.transport: 1})) == {"method": "contiguous", "allgather": 1}
+    assert f"{plan.method}/{plan.transport}" == "contiguous/allgather" and "allgather transport" in plan.describe()
+    hand = ps.DispatchPlan(mask, 64, 4, "balanced", plan.runs, plan.work, "ring")
+    assert hand.method is ps.Layout.BALANCED and hand.transport is ps.Transport.RING
+    assert ps.plan_dual_chunk_swap(mask, 64, 4, transport="ring").method is ps.Layout.DUAL_CHUNK_SWAP
+    with pytest.raises(AttributeError):
+        ps.Layout.ZIGZAG  # noqa: B018  (a misspelt member fails where it is named)
+    with pytest.raises(ps.ParallelStateValueError,
+                       match=r"method='zigzag' is not one of \('auto', 'balanced', 'contiguous', 'clips'\)$"):
+        plan_dispatch(mask, 64, 4, method="zigzag")
+    with pytest.raises(ps.ParallelStateValueError, match=r"method='dual_chunk_swap' is not one of \('auto', "):
+        plan_dispatch(mask, 64, 4, method=ps.Layout.DUAL_CHUNK_SWAP)  # a layout plan_dispatch does not make
+    with pytest.raises(ValueError, match=r"transport='nccl' is not one of \('p2p', 'allgather', 'ring'\)$"):
+        transports.choose("nccl", None, torch.device("cpu"))
+
+
 def test_transport_is_part_of_the_plan():
     mask = Mask.chunk_causal(4)
     p2p = plan_dispatch(mask, 32, 4, method="balanced")

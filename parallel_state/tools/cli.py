@@ -38,6 +38,7 @@ from parallel_state.tools.plan_report import (  # noqa: F401  (re-exported: the 
 )
 from parallel_state.topology.cp_plan import ContextParallelPlan, plan_context_parallel
 from parallel_state.topology.dispatch_cost import CostRates
+from parallel_state.topology.dispatch_plan import Layout
 from parallel_state.topology.kinds import BY_NAME
 from parallel_state.topology.plan import DEFAULT_ORDER, TopologyPlan
 
@@ -93,9 +94,9 @@ def cp_plan_dict(cp_plan: ContextParallelPlan, dtype: str = "bfloat16", head_dim
     if cp_plan.mask is not None:
         out["mask"] = {"spec": str(cp_plan.mask), "description": cp_plan.mask.describe(), "dtype": dtype,
                        "head_dim": head_dim}
-        for method in ("balanced", "contiguous", "auto"):
+        for key, method in (("balanced", Layout.BALANCED), ("contiguous", Layout.CONTIGUOUS), ("chosen", "auto")):
             plan = cp_plan.dispatch_plan(method)
-            out["mask"]["chosen" if method == "auto" else method] = {
+            out["mask"][key] = {
                 "method": plan.method, "transport": plan.transport, "predicted_ms": plan.predicted_ms,
                 "work": list(plan.work), "balance": plan.balance,
                 "runs": [[list(run) for run in runs] for runs in plan.runs],
@@ -121,9 +122,9 @@ def format_cp_plan(cp_plan: ContextParallelPlan) -> str:
 
 def format_masked(cp_plan: ContextParallelPlan, dtype: str = "bfloat16", head_dim: int = 128) -> str:
     """Each rank's tokens, runs, attention work and K/V bytes received, balanced plan beside contiguous split."""
-    b, c = cp_plan.dispatch_plan("balanced"), cp_plan.dispatch_plan("contiguous")
-    b_bytes = cp_plan.masked_bytes_per_rank(dtype, head_dim, method="balanced")
-    c_bytes = cp_plan.masked_bytes_per_rank(dtype, head_dim, method="contiguous")
+    b, c = cp_plan.dispatch_plan(Layout.BALANCED), cp_plan.dispatch_plan(Layout.CONTIGUOUS)
+    b_bytes = cp_plan.masked_bytes_per_rank(dtype, head_dim, method=Layout.BALANCED)
+    c_bytes = cp_plan.masked_bytes_per_rank(dtype, head_dim, method=Layout.CONTIGUOUS)
     mib = 1 << 20
     lines = [f"Masked attention {cp_plan.mask} ({cp_plan.mask.describe()})",
              "  balanced plan (cp.plan_dispatch) beside the contiguous split"]

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from parallel_state.topology.attention_mask import AttentionMask
-from parallel_state.topology.dispatch_cost import AttentionShape, CostRates, received
+from parallel_state.topology.dispatch_cost import TRANSPORTS, AttentionShape, CostRates, Transport, received
 from parallel_state.topology.dispatch_cost import itemsize as _itemsize
-from parallel_state.topology.dispatch_plan import DispatchPlan, plan_dispatch
+from parallel_state.topology.dispatch_plan import DispatchPlan, Layout, plan_dispatch
 from parallel_state.topology.shards import shard_sizes
 from parallel_state.topology.split import Latent, _int, check_latent, grid_split
+from parallel_state.topology.str_enum import one_of
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,11 @@ class ContextParallelPlan:
         ring = 2 * (r - 1) * s * kv * head_dim
         return (ulysses + ring) * batch * size
 
-    def dispatch_plan(self, method: str = "balanced") -> DispatchPlan:
+    def dispatch_plan(self, method: Layout | str = Layout.BALANCED) -> DispatchPlan:
         """The ``auto`` (the cost model's choice), ``balanced`` or ``contiguous`` DispatchPlan of one view's tokens
         under ``mask``; ValueError without a mask."""
-        plan = {"auto": self.chosen, "balanced": self.balanced, "contiguous": self.contiguous}.get(method, False)
+        plans = {"auto": self.chosen, Layout.BALANCED: self.balanced, Layout.CONTIGUOUS: self.contiguous}
+        plan = plans.get(method, False)
         if plan is False:
             raise ValueError(f"dispatch_plan: method={method!r} is not 'auto', 'balanced' or 'contiguous'")
         if plan is None:
@@ -111,7 +113,8 @@ class ContextParallelPlan:
         return plan
 
     def masked_bytes_per_rank(self, dtype: Any, head_dim: int, batch: int = 1, *,
-                              method: str = "balanced", transport: str | None = None) -> tuple[int, ...]:
+                              method: Layout | str = Layout.BALANCED,
+                              transport: Transport | str | None = None) -> tuple[int, ...]:
         """Bytes each cp rank receives per masked attention call (forward) under the ``method`` plan, in rank order.
 
         Its Ulysses all-to-all share, ``s_c * (2H + 2K) * head_dim * (u - 1) / u`` for its own ``s_c``
@@ -120,9 +123,11 @@ class ContextParallelPlan:
         query of its block may see, with "ring" the whole blocks passed on to it, with "allgather"
         every other token. Ring block j is cp ranks ``j*u .. j*u+u-1`` (cp rank = ring rank * u +
         Ulysses rank). Times ``batch * e``; ``dtype`` as in bytes_per_rank. ValueError when the plan has
-        no mask.
+        no mask; ValueError for a transport not among ``Transport``'s.
         """
         plan = self.dispatch_plan(method)
+        way = plan.transport if transport is None else one_of("masked_bytes_per_rank", "transport", transport,
+                                                                 TRANSPORTS)
         size = _itemsize("masked_bytes_per_rank", dtype)
         head_dim = _int("head_dim", head_dim, "masked_bytes_per_rank")
         batch = _int("batch", batch, "masked_bytes_per_rank")
@@ -131,7 +136,7 @@ class ContextParallelPlan:
                              f"{head_dim}, {batch}")
         u, r, heads, kv = self.ulysses_size, self.ring_size, self.num_heads, self.kv_heads_sent
         blocks = [[run for c in range(j * u, (j + 1) * u) for run in plan.runs[c]] for j in range(r)]
-        recv, _ = received(plan.mask, plan.length, blocks, transport or plan.transport)
+        recv, _ = received(plan.mask, plan.length, blocks, way)
         return tuple((s * (2 * heads + 2 * kv) * head_dim * (u - 1) // u + 2 * recv[c // u] * (kv // u) * head_dim)
                      * batch * size for c, s in enumerate(plan.sizes))
 
@@ -225,8 +230,8 @@ def plan_context_parallel(shape: Sequence[int], cp_size: int, num_heads: int, *,
         attention = AttentionShape(heads=num_heads, head_dim=_int("head_dim", head_dim, what), kv_heads=kv,
                                    dtype=dtype)
         priced = {"rates": rates, "shape": attention, "ulysses_size": ulysses}
-        balanced = plan_dispatch(mask, tokens, cp_size, method="balanced", **priced)
-        contiguous = plan_dispatch(mask, tokens, cp_size, method="contiguous", **priced)
+        balanced = plan_dispatch(mask, tokens, cp_size, method=Layout.BALANCED, **priced)
+        contiguous = plan_dispatch(mask, tokens, cp_size, method=Layout.CONTIGUOUS, **priced)
         chosen = plan_dispatch(mask, tokens, cp_size, **priced)
     factors = grid_split(latent, cp_size)
     split = None

@@ -20,7 +20,8 @@ with backward (K/V forward; K/V again and dK/dV back in backward), ``P = 1`` wit
 ``o`` is ``overlap`` for "p2p" and "ring" (the next block's transfer runs under this block's compute)
 and 0 for "allgather" (it gathers before it computes). ``a2a_c`` (``u > 1``) is Ulysses' all-to-all
 of rank c's ``s_c`` tokens, ``P' * s_c (2H + 2K) D e B (u - 1) / (u * bytes_per_ms) + P' * latency_ms``
-with ``P' = 2`` with backward, the same for every transport. Per transport (``TRANSPORTS``):
+with ``P' = 2`` with backward, the same for every transport. Per transport (``Transport``, a closed set: a
+member equals its string, so "p2p" names ``Transport.P2P`` wherever a transport is asked for):
 
 - "p2p": block j receives from block i the tokens of i that some query of j may see (the mask's
   cover), one message per block i that has any: today's masked path.
@@ -45,12 +46,23 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from parallel_state.errors import ParallelStateTypeError, ParallelStateValueError
 from parallel_state.topology.attention_mask import as_int
+from parallel_state.topology.str_enum import StrEnum
 
 if TYPE_CHECKING:
     from parallel_state.topology.attention_mask import AttentionMask
+    from parallel_state.topology.dispatch_plan import Layout
 
-#: The ways K/V reach the ranks that need them (see the module doc), in the order ties are broken.
-TRANSPORTS = ("p2p", "allgather", "ring")
+
+class Transport(StrEnum):
+    """How K/V reach the ranks that need them (see the module doc), in the order ties are broken."""
+
+    P2P = "p2p"
+    ALLGATHER = "allgather"
+    RING = "ring"
+
+
+#: Every transport, in the order ties are broken (``in`` takes their strings too).
+TRANSPORTS = tuple(Transport)
 
 #: Bytes per element of the dtypes a plan is usually sized for, by name (a torch.dtype works too).
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -182,8 +194,8 @@ def checked(what: str, rates: Any, shape: Any) -> tuple[CostRates, AttentionShap
 class Candidate:
     """One priced (layout, transport): the predicted step time and its parts, for the rank predicted slowest."""
 
-    method: str
-    transport: str
+    method: Layout
+    transport: Transport
     predicted_ms: float
     compute_ms: float       #: that rank's compute (stretched when ranks share cores)
     comm_ms: float          #: its transfers, messages and all-to-all, before overlap
@@ -240,25 +252,27 @@ def _needs(mask: AttentionMask, length: int, blocks: tuple[tuple[tuple[int, int]
 
 
 def received(mask: AttentionMask, length: int, blocks: Sequence[Sequence[tuple[int, int]]],
-             transport: str) -> tuple[list[int], list[int]]:
+             transport: Transport) -> tuple[list[int], list[int]]:
     """Per block (its token runs): the tokens of other blocks it receives per forward under ``transport``, and
     its messages (the module doc's rules)."""
     r = len(blocks)
     if r == 1:
         return [0], [0]
     tokens = [sum(b - a for a, b in blk) for blk in blocks]
-    if transport == "allgather":
+    if transport is Transport.ALLGATHER:
         return [sum(tokens) - t for t in tokens], [math.ceil(math.log2(r))] * r
     need = needs(mask, length, blocks)
-    if transport == "p2p":
+    if transport is Transport.P2P:
         return ([sum(row[i] for i in range(r) if i != j) for j, row in enumerate(need)],
                 [sum(1 for i in range(r) if i != j and row[i]) for j, row in enumerate(need)])
+    if transport is not Transport.RING:  # a plain string here would be priced as the ring: callers pass members
+        raise ParallelStateTypeError(f"received: transport must be a Transport member, got {transport!r}")
     reach = [max([(j - i) % r for j in range(r) if j != i and need[j][i]], default=0) for i in range(r)]
     return [sum(tokens[i] for i in range(r) if 0 < (j - i) % r <= reach[i]) for j in range(r)], [max(reach)] * r
 
 
-def predict(mask: AttentionMask, length: int, runs: Sequence[Runs], work: Sequence[int], method: str,
-            transport: str, rates: CostRates, shape: AttentionShape, ulysses_size: int = 1) -> Candidate:
+def predict(mask: AttentionMask, length: int, runs: Sequence[Runs], work: Sequence[int], method: Layout,
+            transport: Transport, rates: CostRates, shape: AttentionShape, ulysses_size: int = 1) -> Candidate:
     """The predicted step time of the layout ``runs`` (cp rank c holds ``runs[c]``, ``work[c]`` pairs) under
     ``transport`` (the module doc's model, stated exactly there)."""
     n, u = len(runs), ulysses_size
@@ -273,7 +287,7 @@ def predict(mask: AttentionMask, length: int, runs: Sequence[Runs], work: Sequen
     parallel = n if rates.parallel is None else min(float(n), rates.parallel)
     stretch = max(1.0, u * sum(compute) / (parallel * busiest)) if busiest > 0 else 1.0
     recv, msgs = received(mask, length, blocks, transport)
-    overlap = 0.0 if transport == "allgather" else rates.overlap
+    overlap = 0.0 if transport is Transport.ALLGATHER else rates.overlap
     worst: tuple[float, float, float] = (-1.0, 0.0, 0.0)
     for c in range(n):
         j = c // u
@@ -293,5 +307,5 @@ def predict(mask: AttentionMask, length: int, runs: Sequence[Runs], work: Sequen
                      comm_ms=worst[2], balance=max(work) / mean if mean else 1.0, recv_tokens=max(recv))
 
 
-__all__ = ["ITEMSIZE", "TRANSPORTS", "AttentionShape", "Candidate", "CostRates", "checked", "itemsize", "needs",
-           "predict", "received"]
+__all__ = ["ITEMSIZE", "TRANSPORTS", "AttentionShape", "Candidate", "CostRates", "Transport", "checked", "itemsize",
+           "needs", "predict", "received"]

@@ -50,19 +50,41 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from parallel_state.errors import ParallelStateTypeError, ParallelStateValueError
 from parallel_state.topology.attention_mask import AttentionMask, MaskKind, as_int
-from parallel_state.topology.dispatch_cost import TRANSPORTS, AttentionShape, Candidate, CostRates, checked, predict
+from parallel_state.topology.dispatch_cost import (
+    TRANSPORTS,
+    AttentionShape,
+    Candidate,
+    CostRates,
+    Transport,
+    checked,
+    predict,
+)
 from parallel_state.topology.shards import shard_sizes
+from parallel_state.topology.str_enum import StrEnum, one_of
 
 if TYPE_CHECKING:
     import torch
 
-#: The layouts ``plan_dispatch`` makes; it also takes "auto" (the cost model's choice among them).
-METHODS = ("balanced", "contiguous", "clips")
-#: The layouts a plan can hold: ``plan_dispatch``'s and the fixed one of megatron-core and Transformer Engine
-#: (``plan_dual_chunk_swap``).
-LAYOUTS = METHODS + ("dual_chunk_swap",)
+
+
+class Layout(StrEnum):
+    """Which tokens each rank holds: ``plan_dispatch``'s layouts (module doc) and the fixed one of megatron-core and
+    Transformer Engine (``plan_dual_chunk_swap``). A member equals its string: ``method="balanced"`` names
+    ``Layout.BALANCED``."""
+
+    BALANCED = "balanced"
+    CONTIGUOUS = "contiguous"
+    CLIPS = "clips"
+    DUAL_CHUNK_SWAP = "dual_chunk_swap"
+
+
+#: The layouts ``plan_dispatch`` makes; it also takes "auto" (the cost model's choice among them: a request, not a
+#: layout).
+METHODS = (Layout.BALANCED, Layout.CONTIGUOUS, Layout.CLIPS)
+#: The layouts a plan can hold.
+LAYOUTS = tuple(Layout)
 #: The order "auto" weighs them in, simplest traffic first (a clip kept whole sends nothing).
-ORDER = ("contiguous", "clips", "balanced")
+ORDER = (Layout.CONTIGUOUS, Layout.CLIPS, Layout.BALANCED)
 #: A later (more complex) candidate is chosen only when the earlier ones are predicted this much slower than the
 #: fastest: the model's error on measured CPU and GPU steps is of this order, and a wrong complex plan costs bytes.
 MARGIN = 0.10
@@ -78,19 +100,19 @@ class DispatchPlan:
 
     ``runs[r]``: rank r's tokens as ascending, non-adjacent ``(start, stop)`` runs; rank r holds them
     in that order (``positions[r]``). ``work[r]``: the allowed (query, key) pairs of rank r's queries.
-    ``method``: the layout ("contiguous", "balanced", "clips" or "dual_chunk_swap"); ``transport``: how the attention moves
-    K/V ("p2p", "allgather" or "ring", see ``dispatch_cost``). Equal by value (the layout and the
-    transport), hashable, the same on every rank for the same arguments. ``predicted_ms``,
+    ``method``: the ``Layout``; ``transport``: how the attention moves K/V, a ``Transport`` (see
+    ``dispatch_cost``); either may be given as its string ("balanced", "p2p") and is stored as the member.
+    Equal by value (the layout and the transport), hashable, the same on every rank for the same arguments. ``predicted_ms``,
     ``candidates`` and ``why`` record how ``plan_dispatch`` priced and chose it (not compared).
     """
 
     mask: AttentionMask
     length: int
     cp_size: int
-    method: str
+    method: Layout
     runs: tuple[Runs, ...]
     work: tuple[int, ...]
-    transport: str = "p2p"
+    transport: Transport = Transport.P2P
     #: The cost model's step time of this plan, in ms (None for a plan built by hand).
     predicted_ms: float | None = field(default=None, compare=False)
     #: Every (layout, transport) weighed, in order, with its predicted time; the chosen one among them.
@@ -103,10 +125,8 @@ class DispatchPlan:
         what = "DispatchPlan"
         if not isinstance(self.mask, AttentionMask):
             raise ParallelStateTypeError(f"{what}: mask must be an AttentionMask, got {type(self.mask).__name__}")
-        if self.method not in LAYOUTS:
-            raise ParallelStateValueError(f"{what}: method={self.method!r} is not one of {LAYOUTS}")
-        if self.transport not in TRANSPORTS:
-            raise ParallelStateValueError(f"{what}: transport={self.transport!r} is not one of {TRANSPORTS}")
+        object.__setattr__(self, "method", one_of(what, "method", self.method, LAYOUTS))
+        object.__setattr__(self, "transport", one_of(what, "transport", self.transport, TRANSPORTS))
         if not (len(self.runs) == len(self.work) == self.cp_size >= 1):
             raise ParallelStateValueError(f"{what}: cp_size={self.cp_size} needs that many runs and work entries, got "
                                           f"{len(self.runs)} and {len(self.work)}; build plans with plan_dispatch")
@@ -186,7 +206,8 @@ class DispatchPlan:
     def fingerprint(self) -> int:
         """A 63-bit digest of the plan, the same in every process (``hash`` is salted per process): for checking
         that every rank of a group holds the same plan."""
-        text = repr((str(self.mask), self.length, self.cp_size, self.method, self.runs, self.transport))
+        # The members' values, not their reprs: the digest of the same plan as when these were plain strings.
+        text = repr((str(self.mask), self.length, self.cp_size, self.method.value, self.runs, self.transport.value))
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
     def describe(self) -> str:
@@ -205,9 +226,9 @@ class DispatchPlan:
         return rank
 
 
-def plan_dispatch(mask: AttentionMask, length: int, cp_size: int, *, method: str = "auto",
-                  transport: str | None = None, rates: CostRates | None = None, shape: AttentionShape | None = None,
-                  ulysses_size: int = 1) -> DispatchPlan:
+def plan_dispatch(mask: AttentionMask, length: int, cp_size: int, *, method: Layout | str = "auto",
+                  transport: Transport | str | None = None, rates: CostRates | None = None,
+                  shape: AttentionShape | None = None, ulysses_size: int = 1) -> DispatchPlan:
     """Assign the ``length`` tokens of a sequence under ``mask`` to ``cp_size`` ranks, and choose the transport.
 
     ``method="auto"`` (default): the candidate layouts and transports priced by the cost model
@@ -234,12 +255,11 @@ def plan_dispatch(mask: AttentionMask, length: int, cp_size: int, *, method: str
     if not 1 <= cp_size <= length:
         raise ParallelStateValueError(f"{what}: cp_size={cp_size} must be between 1 and the length {length} "
                                       f"(every rank holds at least one token)")
-    if method not in ("auto",) + METHODS:
-        raise ParallelStateValueError(f"{what}: method={method!r} is not one of {('auto',) + METHODS}")
-    if transport is not None and transport not in TRANSPORTS:
-        raise ParallelStateValueError(f"{what}: transport={transport!r} is not one of {TRANSPORTS} (or None: "
-                                      f"the cost model's choice under method='auto', else 'p2p')")
-    if method == "clips" and (mask.kind is not MaskKind.PACKED or len(mask.lengths or ()) < 2):
+    method = one_of(what, "method", method, ("auto",) + METHODS)
+    if transport is not None:
+        transport = one_of(what, "transport", transport, TRANSPORTS, " (or None: the cost model's choice under "
+                                                                     "method='auto', else 'p2p')")
+    if method is Layout.CLIPS and (mask.kind is not MaskKind.PACKED or len(mask.lengths or ()) < 2):
         raise ParallelStateValueError(f"{what}: method='clips' keeps packed clips whole, but the mask {mask} has "
                                       f"no two clips; use method='auto', 'balanced' or 'contiguous'")
     rates, shape = checked(what, rates, shape)
@@ -251,11 +271,12 @@ def plan_dispatch(mask: AttentionMask, length: int, cp_size: int, *, method: str
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(mask: AttentionMask, length: int, cp_size: int, method: str, transport: str | None, rates: CostRates,
-          shape: AttentionShape, ulysses_size: int) -> DispatchPlan:
+def _plan(mask: AttentionMask, length: int, cp_size: int, method: Layout | str, transport: Transport | None,
+          rates: CostRates, shape: AttentionShape, ulysses_size: int) -> DispatchPlan:
+    auto = not isinstance(method, Layout)  # "auto": the one request that is no layout
     layouts = _layouts(mask, length, cp_size)
-    names = [m for m in ORDER if m in layouts] if method == "auto" else [method]
-    ways = TRANSPORTS if transport is None and method == "auto" else (transport or "p2p",)
+    names = [m for m in ORDER if m in layouts] if auto else [method]
+    ways = TRANSPORTS if transport is None and auto else (transport or Transport.P2P,)
     seen: set[tuple[Runs, ...]] = set()
     priced = []
     for name in names:
@@ -264,25 +285,25 @@ def _plan(mask: AttentionMask, length: int, cp_size: int, method: str, transport
             continue
         seen.add(runs)
         priced += [predict(mask, length, runs, work, name, way, rates, shape, ulysses_size) for way in ways]
-    chosen, why = _choose(priced, method)
+    chosen, why = _choose(priced, None if auto else method)
     runs, work = layouts[chosen.method]
     return DispatchPlan(mask=mask, length=length, cp_size=cp_size, method=chosen.method, runs=runs, work=work,
                         transport=chosen.transport, predicted_ms=chosen.predicted_ms, candidates=tuple(priced),
                         why=why)
 
 
-def _choose(priced: list[Candidate], method: str) -> tuple[Candidate, str]:
-    """The chosen candidate and why: the first (in order) within MARGIN of the fastest and no slower than
-    the fastest contiguous split."""
-    if method != "auto":
+def _choose(priced: list[Candidate], method: Layout | None) -> tuple[Candidate, str]:
+    """The chosen candidate and why: the one asked for (``method``), or under "auto" (None) the first (in order)
+    within MARGIN of the fastest and no slower than the fastest contiguous split."""
+    if method is not None:
         only = priced[0]
-        return only, f"method={method!r} with the {only.transport} transport, as asked: {only.row()}"
+        return only, f"method={method.value!r} with the {only.transport} transport, as asked: {only.row()}"
     fastest = min(c.predicted_ms for c in priced)
-    contiguous = min(c.predicted_ms for c in priced if c.method == "contiguous")
+    contiguous = min(c.predicted_ms for c in priced if c.method is Layout.CONTIGUOUS)
     reach = min(fastest * (1 + MARGIN), contiguous)
     chosen = next(c for c in priced if c.predicted_ms <= reach)
     best = min(priced, key=lambda c: c.predicted_ms)
-    base = min((c for c in priced if c.method == "contiguous"), key=lambda c: c.predicted_ms)
+    base = min((c for c in priced if c.method is Layout.CONTIGUOUS), key=lambda c: c.predicted_ms)
     if chosen is best:
         reason = "the fastest"
     else:
@@ -295,8 +316,8 @@ def _choose(priced: list[Candidate], method: str) -> tuple[Candidate, str]:
 
 
 @functools.lru_cache(maxsize=64)
-def _layouts(mask: AttentionMask, length: int, cp_size: int) -> dict[str, tuple[tuple[Runs, ...], tuple[int, ...]]]:
-    """Every candidate layout's runs and work per rank, by method name (clips only for packed masks)."""
+def _layouts(mask: AttentionMask, length: int, cp_size: int) -> dict[Layout, tuple[tuple[Runs, ...], tuple[int, ...]]]:
+    """Every candidate layout's runs and work per rank, by layout (clips only for packed masks)."""
 
     sizes = shard_sizes(length, cp_size)
     prefix = _work_prefix(mask, length)
@@ -308,16 +329,16 @@ def _layouts(mask: AttentionMask, length: int, cp_size: int) -> dict[str, tuple[
     for n in sizes:
         cut.append(cut[-1] + n)
     contiguous = tuple(((cut[r], cut[r + 1]),) for r in range(cp_size))
-    out = {"contiguous": (contiguous, work(contiguous))}
-    balanced = out["contiguous"]
+    out = {Layout.CONTIGUOUS: (contiguous, work(contiguous))}
+    balanced = out[Layout.CONTIGUOUS]
     if cp_size > 1:
         zigzag = _zigzag(mask, length, sizes, prefix)
         if max(work(zigzag)) < max(balanced[1]):  # the contiguous split wins ties: one run per rank
             balanced = (zigzag, work(zigzag))
-    out["balanced"] = balanced
+    out[Layout.BALANCED] = balanced
     if mask.kind is MaskKind.PACKED and len(mask.lengths or ()) > 1 and cp_size > 1:
         clips = _clips(mask, length, cp_size, prefix)
-        out["clips"] = (clips, work(clips))
+        out[Layout.CLIPS] = (clips, work(clips))
     return out
 
 
@@ -344,7 +365,7 @@ def _work(prefix: torch.Tensor, runs: tuple[Runs, ...]) -> tuple[int, ...]:
 
 
 def plan_dual_chunk_swap(mask: AttentionMask, length: int, cp_size: int, *, cu_seqlens: Any = None,
-                         transport: str = "p2p", rates: CostRates | None = None,
+                         transport: Transport | str = Transport.P2P, rates: CostRates | None = None,
                          shape: AttentionShape | None = None) -> DispatchPlan:
     """The layout megatron-core and Transformer Engine give context-parallel ranks ("DualChunkSwap"), as a plan.
 
@@ -366,8 +387,7 @@ def plan_dual_chunk_swap(mask: AttentionMask, length: int, cp_size: int, *, cu_s
     cp_size = as_int(what, "cp_size", cp_size)
     if cp_size < 1:
         raise ParallelStateValueError(f"{what}: cp_size={cp_size} must be >= 1")
-    if transport not in TRANSPORTS:
-        raise ParallelStateValueError(f"{what}: transport={transport!r} is not one of {TRANSPORTS}")
+    transport = one_of(what, "transport", transport, TRANSPORTS)
     bounds = _boundaries(what, cu_seqlens, length)
     rates = CostRates() if rates is None else rates
     shape = AttentionShape() if shape is None else shape
@@ -394,7 +414,7 @@ def _boundaries(what: str, cu_seqlens: Any, length: int) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _dual_chunk_swap(mask: AttentionMask, length: int, cp_size: int, bounds: tuple[int, ...], transport: str,
+def _dual_chunk_swap(mask: AttentionMask, length: int, cp_size: int, bounds: tuple[int, ...], transport: Transport,
                      rates: CostRates, shape: AttentionShape) -> DispatchPlan:
     parts = 2 * cp_size
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
@@ -415,8 +435,8 @@ def _dual_chunk_swap(mask: AttentionMask, length: int, cp_size: int, bounds: tup
                                       f"use a smaller cp_size")
     layout = tuple(runs)
     work = _work(_work_prefix(mask, length), layout)
-    priced = predict(mask, length, layout, work, "dual_chunk_swap", transport, rates, shape)
-    return DispatchPlan(mask=mask, length=length, cp_size=cp_size, method="dual_chunk_swap", runs=layout, work=work,
+    priced = predict(mask, length, layout, work, Layout.DUAL_CHUNK_SWAP, transport, rates, shape)
+    return DispatchPlan(mask=mask, length=length, cp_size=cp_size, method=Layout.DUAL_CHUNK_SWAP, runs=layout, work=work,
                         transport=transport, predicted_ms=priced.predicted_ms, candidates=(priced,),
                         why=f"the DualChunkSwap layout with the {transport} transport, as asked: {priced.row()}")
 
@@ -436,7 +456,7 @@ def _clips(mask: AttentionMask, length: int, cp_size: int, prefix_tensor: torch.
         a, b, w = clips[c]
         if k == 1:
             return [(w, b - a, [(a, b)])]
-        runs, works = _layouts(inner, b - a, k)["balanced"]
+        runs, works = _layouts(inner, b - a, k)[Layout.BALANCED]
         return [(wk, sum(y - x for x, y in rk), [(a + x, a + y) for x, y in rk]) for rk, wk in zip(runs, works,
                                                                                                     strict=True)]
 
@@ -559,5 +579,5 @@ def _merge(runs: list[tuple[int, int]]) -> Runs:
     return tuple(out)
 
 
-__all__ = ["LAYOUTS", "MARGIN", "METHODS", "AttentionShape", "CostRates", "DispatchPlan", "plan_dispatch",
-           "plan_dual_chunk_swap"]
+__all__ = ["LAYOUTS", "MARGIN", "METHODS", "ORDER", "AttentionShape", "CostRates", "DispatchPlan", "Layout", "Transport",
+           "plan_dispatch", "plan_dual_chunk_swap"]
