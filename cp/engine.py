@@ -22,7 +22,7 @@ without a check, an empty row) whose table needs every rank's row, each sent aft
 so every sender finds its receiver ready. A gloo message that arrives before its receive costs the two
 sides' loop threads about 1.3 ms of CPU per 512 KiB on loopback; one whose receive is waiting about 0.3 ms
 in all (measured with 2 processes). A failed check completes those receives with empty messages
-(``Transport.drain``) before it raises, so no receive stays posted.
+(``Exchange.drain``) before it raises, so no receive stays posted.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 
 from cp import agree, counting, kernels, online_softmax
 from cp.mask_schedule import Schedule, Tile
-from cp.transports import Transport
+from cp.transports import Exchange
 
 #: A started cross-rank check (``cp.call_check``): waits for every rank's row and raises the same ValueError on
 #: every rank on a mismatch, calling its argument first with every rank's posted bytes.
@@ -63,7 +63,7 @@ class AttentionCall:
     scale: float
     group: Any
     schedule: Schedule
-    transport: type[Transport]
+    transport: type[Exchange]
     check: StartCheck | None = None
 
 
@@ -101,7 +101,7 @@ def _mask(choice: kernels.KernelChoice, tile: Tile, device: torch.device) -> tor
     return tile.masked_out(device) if choice.needs_mask else None
 
 
-def _receives_first(kv: Transport, check: StartCheck | None, gradients: Transport.Gradients | None = None
+def _receives_first(kv: Exchange, check: StartCheck | None, gradients: Exchange.Gradients | None = None
                     ) -> Confirm | None:
     """Post the pass's receives (where the transport posts them first: the K/V, and the dK/dV of ``gradients``),
     then start the round after which every rank has posted its own: the call's ``check`` (its row carries the

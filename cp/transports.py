@@ -8,7 +8,7 @@ step t sends and receives: ring and p2p the transfer for step t + 1, overlapping
 cross-rank check, ``drain``. The backward's dK/dV go through the pass's ``gradients(dtype)``: the
 transport's own ``Gradients``, which ``add``s each step's block and returns this rank's own ``result()``.
 A new transport is one member of ``parallel_state.Transport`` (``cp.Transport``: the plans' closed set) and one
-subclass of ``Transport`` here (with its ``Gradients``) whose ``name`` is that member, listed in ``CLASSES``.
+subclass of ``Exchange`` here (with its ``Gradients``) whose ``name`` is that member, listed in ``CLASSES``.
 
 - ``"ring"`` (``Ring``): at step t every rank passes the whole block it holds on to rank + 1, while a rank
   further down the ring still needs it (causal on the contiguous split: rank i computes i + 1
@@ -81,7 +81,7 @@ def send_empty(group: Any, rank: int, posted: Sequence[Sequence[int]], device: t
                                  TAG_KV) for i, size in peers])
 
 
-class Transport:
+class Exchange:
     """This rank's side of the K/V traffic of one pass, on ``schedule`` over ``group`` (see the module doc).
 
     ``counts``: the open ``cp.count_attention`` counts, told every byte sent and received.
@@ -100,7 +100,7 @@ class Transport:
         self.works: list[Any] = []  # the transfers of the step under way
 
     @classmethod
-    def on(cls, backend: str | None) -> type[Transport]:
+    def on(cls, backend: str | None) -> type[Exchange]:
         """The class that runs this transport where the K/V travel by ``backend`` (None: one process)."""
         return cls
 
@@ -187,7 +187,7 @@ class Transport:
         """dK/dV of the blocks a backward pass computed, back to their owners: ``add`` each step's (t = 0: this
         rank's own block), then ``result()``, this rank's own dK and dV once every rank's share has arrived."""
 
-        def __init__(self, kv: Transport, dtype: torch.dtype):
+        def __init__(self, kv: Exchange, dtype: torch.dtype):
             self.kv = kv
             self.dk = kv.k.new_zeros(kv.k.shape, dtype=dtype)
             self.dv = kv.v.new_zeros(kv.v.shape, dtype=dtype)
@@ -208,7 +208,7 @@ class Transport:
             return self.dk, self.dv
 
 
-class Ring(Transport):
+class Ring(Exchange):
     """Whole blocks passed on to rank + 1 while a rank further down the ring needs them."""
 
     name = ps.Transport.RING
@@ -243,10 +243,10 @@ class Ring(Transport):
         super().finish(t)
         self.held = self.recv
 
-    class Gradients(Transport.Gradients):
+    class Gradients(Exchange.Gradients):
         """Each block's dK/dV accumulator travels behind it round the whole ring, back to its owner."""
 
-        def __init__(self, kv: Transport, dtype: torch.dtype):
+        def __init__(self, kv: Exchange, dtype: torch.dtype):
             super().__init__(kv, dtype)
             self.works: list[Any] = []
             self.incoming: torch.Tensor | None = None  # the accumulator of the block held now
@@ -291,7 +291,7 @@ class Ring(Transport):
             return self.dk, self.dv
 
 
-class PointToPoint(Transport):
+class PointToPoint(Exchange):
     """Only the needed tokens, straight from their owner, step by step (at step t to rank + t, from rank - t)."""
 
     name = ps.Transport.P2P
@@ -302,7 +302,7 @@ class PointToPoint(Transport):
         self.recv: torch.Tensor | None = None  # step t + 1's, arriving
 
     @classmethod
-    def on(cls, backend: str | None) -> type[Transport]:
+    def on(cls, backend: str | None) -> type[Exchange]:
         return PointToPointAtOnce if starts_all_at_once(backend) else cls
 
     def receive_op(self, t: int) -> tuple[Any, torch.Tensor] | None:
@@ -340,10 +340,10 @@ class PointToPoint(Transport):
         super().finish(t)
         self.held = self.recv  # step t + 1's block (None when there is none)
 
-    class Gradients(Transport.Gradients):
+    class Gradients(Exchange.Gradients):
         """A received block's dK/dV straight back to its owner; the ones this rank's sends earned, step by step."""
 
-        def __init__(self, kv: Transport, dtype: torch.dtype):
+        def __init__(self, kv: Exchange, dtype: torch.dtype):
             super().__init__(kv, dtype)
             self.works: list[Any] = []
             self.arriving: list[tuple[torch.Tensor, Send]] = []  # dK/dV received while this step computes
@@ -453,7 +453,7 @@ class PointToPointAtOnce(PointToPoint):
                 self.works += start_ops(self.send_back(block, dkb, dvb))
 
 
-class AllGather(Transport):
+class AllGather(Exchange):
     """One all-gather of every rank's K/V (each shard padded to the longest); dK/dV back in one all-to-all."""
 
     name = ps.Transport.ALLGATHER
@@ -487,10 +487,10 @@ class AllGather(Transport):
         whole = self.unpack(self.gathered[block.source], self.sched.sizes[block.source], self.padded)
         return self.select(*whole, block)
 
-    class Gradients(Transport.Gradients):
+    class Gradients(Exchange.Gradients):
         """Every block's dK/dV in a row per owner, returned in one all-to-all at the end."""
 
-        def __init__(self, kv: Transport, dtype: torch.dtype):
+        def __init__(self, kv: Exchange, dtype: torch.dtype):
             super().__init__(kv, dtype)
             self.rows: torch.Tensor | None = None  # every source's dK/dV from this rank
 
@@ -522,7 +522,7 @@ class AllGather(Transport):
 
 
 #: Every transport's class, by the member a plan asks for it by (a member's string finds it too).
-CLASSES: dict[ps.Transport, type[Transport]] = {cls.name: cls for cls in (Ring, PointToPoint, AllGather)}
+CLASSES: dict[ps.Transport, type[Exchange]] = {cls.name: cls for cls in (Ring, PointToPoint, AllGather)}
 #: The transports, in ``parallel_state.Transport``'s order (tests check that CLASSES has each).
 NAMES = tuple(ps.Transport)
 
@@ -534,7 +534,7 @@ def starts_all_at_once(backend: str | None) -> bool:
     return backend == "gloo"
 
 
-def choose(name: ps.Transport | str, group: Any, device: torch.device) -> type[Transport]:
+def choose(name: ps.Transport | str, group: Any, device: torch.device) -> type[Exchange]:
     """The class that runs transport ``name`` (a member or its string) over ``group`` (None: one process) for
     tensors on ``device``."""
     cls = CLASSES.get(name)
@@ -543,5 +543,5 @@ def choose(name: ps.Transport | str, group: Any, device: torch.device) -> type[T
     return cls.on(None if group is None else backend_for(group, device.type))
 
 
-__all__ = ["CLASSES", "NAMES", "AllGather", "PointToPoint", "PointToPointAtOnce", "Ring", "Transport", "choose",
+__all__ = ["CLASSES", "NAMES", "AllGather", "Exchange", "PointToPoint", "PointToPointAtOnce", "Ring", "choose",
            "send_empty", "starts_all_at_once"]
