@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+import parallel_state as ps
 from cp.comm import check_group
 from cp.shard import check_tensor, normalize_dim
 
@@ -194,16 +195,9 @@ class Masking:
                 "shard the sequence with cp.split_inputs_cp(x, seq_dim, group, uneven=True) and pass length=")
 
 
-def _ps() -> Any:
-    import parallel_state
-
-    return parallel_state
-
-
 def masking(what: str, mask: Any, plan: Any, causal: Any, length: int | None, n: int, local: int) -> Masking:
     """The plan to attend by, from ``mask`` / ``plan`` / ``causal``: the plan itself, or with a mask alone the
     contiguous split of ``length`` (default: ``n * local``) tokens. Errors name what is wrong and what to pass."""
-    ps = _ps()
     if causal:
         raise ValueError(f"{what}: causal=True cannot be combined with mask= or plan=; pass mask=cp.Mask.causal() "
                          f"(and a plan made for it) instead")
@@ -263,6 +257,13 @@ class Call:
     masking: Masking | None = None
     ring_group: Any = None
     facts: Facts | None = None
+
+    def on(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Call:
+        """This checked call on other tensors of the same shapes, dtypes and devices (the checks depend on
+        nothing else, so a caller that keys its calls by them checks once)."""
+        t = self.tensors
+        return Call(self.what, Tensors(q, k, v, t.s, t.h, t.seq_dim, t.head_dim), self.group, self.n, self.rank,
+                    self.scale, self.length, self.causal, self.masking, self.ring_group, self.facts)
 
 
 def masked_call(what: str, q: Any, k: Any, v: Any, group: Any, *, causal: Any, mask: Any, plan: Any, length: Any,

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
+import parallel_state as ps
 from cp import call_check, debug, engine, inputs, mask_schedule, masked, transports
 from cp.comm import global_ranks
 from cp.layout import sdpa_in_layout
@@ -43,8 +44,6 @@ from cp.shard import shard_sizes
 def _contiguous_schedule(causal: bool, blocks: tuple[int, ...], rank: int, device: torch.device
                          ) -> mask_schedule.Schedule:
     """This rank's schedule of full or causal attention on the contiguous layout of ``blocks`` (cached)."""
-    import parallel_state as ps
-
     mask = ps.AttentionMask.causal() if causal else ps.AttentionMask.full()
 
     def make() -> mask_schedule.Schedule:

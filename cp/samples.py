@@ -125,7 +125,7 @@ def run_samples(plan: parallel_state.SamplePlan, loss_fn: Callable[[int, Any, pa
     """
     params = list(parameters)
     dp_cp = _dp_cp("run_samples")
-    total = torch.zeros((), dtype=torch.float64)
+    total: torch.Tensor | None = None  # summed where the losses are: no host sync per sample
     for step in sample_groups(plan):
         for index, group in step:
             loss = loss_fn(index, group, plan.dispatch_plan(index))
@@ -133,7 +133,8 @@ def run_samples(plan: parallel_state.SamplePlan, loss_fn: Callable[[int, Any, pa
                 raise TypeError(f"run_samples: loss_fn must return the loss summed over this rank's tokens as a "
                                 f"one-element tensor, got {type(loss).__name__} for sample {index}")
             (loss / plan.total_tokens).backward()
-            total += loss.detach().double().cpu().reshape(())
+            part = loss.detach().double().reshape(())
+            total = part if total is None else total + part
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -148,6 +149,7 @@ def run_samples(plan: parallel_state.SamplePlan, loss_fn: Callable[[int, Any, pa
         for g in grads:
             g.copy_(flat[at:at + g.numel()].view_as(g))
             at += g.numel()
+    total = torch.zeros((), dtype=torch.float64) if total is None else total
     total = total.to(meta_device(dp_cp))
     dist.all_reduce(total, group=dp_cp)
     return total.cpu() / plan.total_tokens

@@ -418,7 +418,8 @@ class DotProductAttention(torch.nn.Module):
         if not all(isinstance(t, torch.Tensor) for t in (query_layer, key_layer, value_layer)):
             self._resolve(fmt, mask_type, window, unsupported, cu, query_layer, key_layer, value_layer)  # raises
         key = (group, fmt, mask_type, window, self.mask, unsupported, query_layer.shape, key_layer.shape,
-               value_layer.shape, query_layer.dtype, query_layer.device, cu, self.cp_comm_type,
+               value_layer.shape, query_layer.dtype, key_layer.dtype, value_layer.dtype, query_layer.device,
+               key_layer.device, value_layer.device, cu, self.cp_comm_type,
                self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head_k,
                self.hidden_size_per_attention_head_v, self.softmax_scale, self.attention_type,
                None if self.cp_global_ranks is None else len(self.cp_global_ranks))
@@ -608,17 +609,24 @@ class DotProductAttention(torch.nn.Module):
                 padding = pad[mine].view(-1, 1, 1).to(q.device)
         if route is not None:  # the engine's masked path, as ring / ulysses / usp_attention(plan=) take it
             run, on = route.attend, route
+            # The first call is checked in full; later ones share its key (shapes, dtypes, devices), so its checks.
+            checked: list[inputs.Call] = []
 
             def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
-                return run(inputs.masked_call(what, q, k, v, on.group, causal=False, mask=None, plan=plan, length=None,
-                                              seq_dim=s, head_dim=h, softmax_scale=scale, n=on.n, rank=on.rank,
-                                              ring_group=on.ring_group, facts=facts))
+                if checked:
+                    return run(checked[0].on(q, k, v))
+                checked.append(inputs.masked_call(what, q, k, v, on.group, causal=False, mask=None, plan=plan,
+                                                  length=None, seq_dim=s, head_dim=h, softmax_scale=scale, n=on.n,
+                                                  rank=on.rank, ring_group=on.ring_group, facts=facts))
+                return run(checked[0])
         elif mask == cp.Mask.full() or (mask == cp.Mask.causal() and fmt is not QKVFormat.THD):
             causal = mask == cp.Mask.causal()
 
             def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
-                return cp.sdpa_in_layout(q, k, v, seq_dim=s, head_dim=h, is_causal=causal, scale=scale,
-                                         enable_gqa=q.shape[h] != k.shape[h])
+                groups = q.shape[h] // k.shape[h]  # GQA: heads repeated, as the engine's one process does (torch
+                if groups > 1:                     # 2.4, this package's floor, has no enable_gqa)
+                    k, v = (x.repeat_interleave(groups, dim=h) for x in (k, v))
+                return cp.sdpa_in_layout(q, k, v, seq_dim=s, head_dim=h, is_causal=causal, scale=scale)
         else:
             def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
                 return cp.ring_attention(q, k, v, None, mask=mask, seq_dim=s, head_dim=h, softmax_scale=scale)
