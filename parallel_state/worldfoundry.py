@@ -97,6 +97,8 @@ def get_tp_group(check_initialized: bool = True, with_context_parallel: bool = F
 
     WorldFoundry puts ``check_initialized`` first; the answers are megatron-core's two group getters'.
     """
+    if with_context_parallel is False:  # the common call: no flag check beyond this
+        return _acc.get_tensor_model_parallel_group(check_initialized)
     if _flag("with_context_parallel", with_context_parallel):
         return _acc.get_tensor_and_context_parallel_group(check_initialized)
     return _acc.get_tensor_model_parallel_group(check_initialized)
@@ -107,6 +109,8 @@ def get_tensor_model_parallel_src_rank(with_context_parallel: bool = False) -> i
 
     WorldFoundry's extension of megatron-core's accessor (which takes no argument), positional as there.
     """
+    if with_context_parallel is False:  # the common call: no flag check beyond this
+        return _acc.get_tensor_model_parallel_src_rank()
     if _flag("with_context_parallel", with_context_parallel):
         return _acc.get_tensor_model_parallel_ranks(with_context_parallel=True)[0]
     return _acc.get_tensor_model_parallel_src_rank()

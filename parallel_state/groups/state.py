@@ -10,6 +10,7 @@ from parallel_state.errors import ParallelStateAssertionError, ParallelStateErro
 from parallel_state.groups import group_cache
 from parallel_state.groups.kinds import Flavor
 from parallel_state.groups.options import BuildOptions
+from parallel_state.topology.arguments import non_negative_int, positive_int
 from parallel_state.topology.kinds import PP
 from parallel_state.topology.plan import TopologyPlan
 from parallel_state.topology.str_enum import StrEnum
@@ -108,8 +109,6 @@ def _changed() -> None:
 def set_override(key: Override, value: Any, name: str | None = None) -> None:
     """Set (or, with None, clear) one of Megatron's set_* values, which win over the live groups: a rank
     is an int >= 0, a size an int >= 1 (errors name ``name``, default ``key``)."""
-    from parallel_state.topology.arguments import non_negative_int, positive_int
-
     if value is None:
         overrides.pop(key, None)
     else:

@@ -389,11 +389,7 @@ def plan_dual_chunk_swap(mask: AttentionMask, length: int, cp_size: int, *, cu_s
         raise ParallelStateValueError(f"{what}: cp_size={cp_size} must be >= 1")
     transport = one_of(what, "transport", transport, TRANSPORTS)
     bounds = _boundaries(what, cu_seqlens, length)
-    rates = CostRates() if rates is None else rates
-    shape = AttentionShape() if shape is None else shape
-    if not isinstance(rates, CostRates) or not isinstance(shape, AttentionShape):
-        raise ParallelStateTypeError(f"{what}: rates must be a CostRates and shape an AttentionShape (or None), got "
-                                     f"{type(rates).__name__} and {type(shape).__name__}")
+    rates, shape = checked(what, rates, shape)
     return _dual_chunk_swap(mask, length, cp_size, bounds, transport, rates, shape)
 
 
