@@ -26,6 +26,14 @@ def cp_groups():
     return groups
 
 
+def data(shape, seed=0, dtype=None):
+    """The same random tensor on every rank: float64 draws from ``seed``, cast to ``dtype`` (default float64)."""
+    import torch
+
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return x if dtype is None else x.to(dtype)
+
+
 def raises(exc_type, fragments, fn, *args, **kwargs):
     """Assert ``fn`` raises ``exc_type`` with every fragment in its message; return the message."""
     try:

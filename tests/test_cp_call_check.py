@@ -11,13 +11,10 @@ import torch
 
 import cp
 import cp.call_check
+from cpgroups import data as _data
 from cpgroups import raises, spying
 
 LENGTH = 32
-
-
-def _data(shape, seed):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
 def _want(x, mask, plan, me):

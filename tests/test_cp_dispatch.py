@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import cp
+from cpgroups import data as _data
 from cpgroups import raises
 
 # ---------------------------------------------------------------- helpers run on every rank
@@ -39,11 +40,6 @@ def _cases(n):
         shape, d = [((length, 3), 0), ((2, length, 3), 1), ((2, 3, length), -1)][(i + n) % 3]
         out.append((length, mask, method, shape, d))
     return out + [(23, cp.Mask.causal(), "balanced", (23, 2048), 0)]
-
-
-def _data(shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64)
 
 
 def case_round_trips_and_gradients():

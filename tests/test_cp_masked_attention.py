@@ -14,15 +14,11 @@ import cp.kernels
 import cp.mask_schedule
 import cp.masked
 import cp.transports
+from cpgroups import data as _data
 from cpgroups import raises as _raises
 from cpgroups import spying
 
 # ---------------------------------------------------------------- helpers run on every rank
-
-
-def _data(shape, seed):
-    """The same float64 tensor on every rank."""
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
 def _masks(length):

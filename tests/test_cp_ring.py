@@ -10,16 +10,12 @@ import torch
 
 import cp
 import cp.kernels
+from cpgroups import data as _data
 from cpgroups import raises as _raises
 from cpgroups import spying
 
 # ---------------------------------------------------------------- helpers run on every rank
 
-
-def _data(shape, seed, dtype=torch.float64):
-    """The same tensor on every rank."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
 
 def _shard(x, dim, n, i):

@@ -21,17 +21,13 @@ import torch
 
 import cp
 from cp.transformer_engine import EXTRA_PARAMETERS, TE_RELEASE, DotProductAttention
+from cpgroups import data as _data
 from cpgroups import raises, spying
 from rankpool import scaled
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"te_dot_product_attention_{TE_RELEASE}.json")
 
 # ---------------------------------------------------------------- the reference: one process, the dense mask
-
-
-def _data(shape, seed, dtype=torch.float64):
-    """The same tensor on every rank."""
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
 
 
 def _attend(q, k, v, allowed, scale):

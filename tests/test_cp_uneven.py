@@ -11,14 +11,10 @@ import torch
 
 import cp
 from cpgroups import cp_groups
+from cpgroups import data as _data
 from cpgroups import raises as _raises
 
 # ---------------------------------------------------------------- helpers run on every rank
-
-def _data(shape, seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
-
 
 def _part(x, dim, g):
     """This rank's tensor_split shard: the oracle the helpers must agree with."""
