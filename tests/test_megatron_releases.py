@@ -122,7 +122,6 @@ def test_every_other_function_takes_exactly_the_release_in_uses_parameters():
 def case_probe():
     """What this process binds, as the release its environment declares: run on ranks that were given that
     environment before they imported parallel_state (a world of one, without megatron-core loaded)."""
-    import dataclasses
 
     from parallel_state import RankGenerator
 
@@ -154,19 +153,9 @@ def case_probe():
 
     out["table"] = {f: [positional(f), refused(f, len(positional(f)))] for f in SIGNATURES}
 
-    def made_from_text(fn):  # not a def of a file of the package at the line its code names
-        code = fn.__code__
-        if not (code.co_filename.startswith(os.path.dirname(ps.__file__)) and os.path.isfile(code.co_filename)):
-            return True
-        with open(code.co_filename, encoding="utf-8") as f:
-            return f"def {code.co_name}(" not in f.read().splitlines()[code.co_firstlineno - 1]
+    from test_layout import functions_made_from_text  # the layout test's rule, under this release
 
-    def functions(obj):  # a function, or a class's own __init__ (a dataclass's is written from its fields)
-        own = inspect.isclass(obj) and not dataclasses.is_dataclass(obj)
-        return [fn for fn in (obj, getattr(obj, "__init__", None) if own else None) if inspect.isfunction(fn)]
-
-    out["made_from_text"] = sorted(name for name in dir(ps) for fn in functions(getattr(ps, name))
-                                   if fn.__module__.startswith("parallel_state") and made_from_text(fn))
+    out["made_from_text"] = functions_made_from_text(("parallel_state",))
     ps.initialize_model_parallel(timeout=datetime.timedelta(seconds=20))
 
     def outcome(fn, *args):
