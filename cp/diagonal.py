@@ -77,7 +77,7 @@ def forward(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     forward), in ``m`` diagonal blocks."""
     b, r = q.shape[0], q.shape[2]
     out, lse = op(_diag(q, m), _diag(k, m), _diag(v, m), 0.0, True, scale=scale)
-    out, lse = _undiag(out, b), _undiag(lse, b)
+    out, lse = _undiag(out, b).to(lse.dtype), _undiag(lse, b)  # merged below: in the statistics' float32 (float64)
     for s in _levels(r, m):
         o2, l2 = op(_batch(_halves(q, s, 1)), _batch(_halves(k, s, 0)), _batch(_halves(v, s, 0)), 0.0, False,
                     scale=scale)
@@ -101,6 +101,7 @@ def backward(op: Any, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         _halves(dq, s, 1).add_(_unbatch(gq, b))
         _halves(dk, s, 0).add_(_unbatch(gk, b))
         _halves(dv, s, 0).add_(_unbatch(gv, b))
+        del gq, gk, gv  # before the next level's call allocates its own
     return dq, dk, dv
 
 

@@ -81,8 +81,10 @@ class HeadLayout(Name):
     ROWS = "rows"      # q [B, Hkv, G * R, D]: a K/V head's query heads as rows (the reference)
 
 
-#: The CUDA kernels in the order they are tried; each can be switched off as SDPA's own are.
+#: The CUDA kernels; each can be switched off as SDPA's own are. ``cuda_order`` says which is tried first on a card.
 CUDA_KERNELS = (Kernel.CUDA_FLASH, Kernel.CUDA_EFFICIENT, Kernel.CUDA_CUDNN)
+#: The card ``choose_kernel`` assumes when it is not told one: an Ampere (compute capability 8.0).
+AMPERE = (8, 0)
 _HALF = (torch.float16, torch.bfloat16)
 
 #: Whether tiles may use fused kernels at all (tests switch it off to check the reference against them).
@@ -157,15 +159,32 @@ def _cuda_fits(name: Kernel, dtype: torch.dtype, d: int, dv: int, kind: TileKind
     return ""
 
 
+def cuda_order(capability: tuple[int, int], tile_kind: TileKind) -> tuple[Kernel, ...]:
+    """The CUDA kernels in the order they are tried for a tile of ``tile_kind`` on a card of compute capability
+    ``capability`` (major, minor), as SDPA itself prefers them there: on Hopper and later (9.0+) cuDNN's fused
+    attention, then FlashAttention-2, then memory-efficient; on Ampere / Ada (8.x) FlashAttention-2 first;
+    before 8.0 memory-efficient only (torch's flash and cuDNN kernels need 8.0). Masked tiles (an additive bias,
+    which flash does not take) try memory-efficient, then cuDNN, on every card."""
+    if tuple(capability) < (8, 0):
+        return (Kernel.CUDA_EFFICIENT,)
+    if tile_kind is TileKind.MASKED:
+        return (Kernel.CUDA_EFFICIENT, Kernel.CUDA_CUDNN)
+    if tuple(capability) >= (9, 0):
+        return (Kernel.CUDA_CUDNN, Kernel.CUDA_FLASH, Kernel.CUDA_EFFICIENT)
+    return (Kernel.CUDA_FLASH, Kernel.CUDA_EFFICIENT, Kernel.CUDA_CUDNN)
+
+
 @functools.lru_cache(maxsize=1024)
 def choose_kernel(device_type: str, dtype: torch.dtype, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
                   v_shape: tuple[int, ...], tile_kind: TileKind, *, deterministic: bool = False,
-                  cuda_kernels: frozenset[str] = frozenset(CUDA_KERNELS), fused: bool = True) -> KernelChoice:
+                  cuda_kernels: frozenset[str] = frozenset(CUDA_KERNELS), fused: bool = True,
+                  capability: tuple[int, int] = AMPERE) -> KernelChoice:
     """The kernel for a tile of queries ``q_shape`` [..., Hq, R, D] against keys ``k_shape`` [..., Hkv, C, D]
     and values ``v_shape`` [..., Hkv, C, Dv] of ``dtype`` on ``device_type``; ``tile_kind`` a ``TileKind``.
 
     ``deterministic``: torch's deterministic-algorithms setting; ``cuda_kernels``: the CUDA kernels
-    allowed (``cuda_kernels_enabled()``); ``fused=False``: always the reference. Pure and cached.
+    allowed (``cuda_kernels_enabled()``); ``fused=False``: always the reference; ``capability``: the CUDA
+    card's compute capability (``cuda_order``; ``choose_for`` reads the inputs' device). Pure and cached.
     """
     if tile_kind not in set(TileKind):
         raise ValueError(f"choose_kernel: tile_kind={tile_kind!r} is not one of {[k.value for k in TileKind]}")
@@ -186,11 +205,11 @@ def choose_kernel(device_type: str, dtype: torch.dtype, q_shape: tuple[int, ...]
         if d != dv:
             return KernelChoice(Kernel.MATH, cd, HeadLayout.ROWS,
                                 reason=f"the CPU kernel wants one feature size (got {d} and {dv})")
-        return KernelChoice(Kernel.CPU_FLASH, cd, HeadLayout.HEADS, is_causal=causal, bias=bias,
+        return KernelChoice(Kernel.CPU_FLASH, dtype, HeadLayout.HEADS, is_causal=causal, bias=bias,
                             diagonal_blocks=diagonal.blocks_for(r) if causal else 1)
     if device_type == "cuda":
-        why = []
-        for name in CUDA_KERNELS:
+        why = [] if tuple(capability) >= (8, 0) else [f"flash and cuDNN need compute capability 8.0 (got {capability})"]
+        for name in cuda_order(capability, tile_kind):
             if name not in cuda_kernels:
                 why.append(f"{name} switched off")
                 continue
@@ -208,13 +227,21 @@ def choose_kernel(device_type: str, dtype: torch.dtype, q_shape: tuple[int, ...]
 
 
 def choose_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_kind: TileKind) -> KernelChoice:
-    """``choose_kernel`` for these tensors (q [..., Hkv, G, R, D], the engine's layout) and torch's settings now."""
+    """``choose_kernel`` for these tensors (q [B, Hq, R, D], k [B, Hkv, C, D], v [B, Hkv, C, Dv]), their device's
+    card and torch's settings now."""
     device = q.device.type
-    shape = (*q.shape[:-4], q.shape[-4] * q.shape[-3], *q.shape[-2:])
-    cuda = cuda_kernels_enabled() if device == "cuda" else frozenset(CUDA_KERNELS)
-    return choose_kernel(device, q.dtype, shape, tuple(k.shape), tuple(v.shape), tile_kind,
-                         deterministic=torch.are_deterministic_algorithms_enabled(), cuda_kernels=cuda,
-                         fused=use_fused)
+    if device != "cuda":
+        return choose_kernel(device, q.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape), tile_kind,
+                             deterministic=torch.are_deterministic_algorithms_enabled(), fused=use_fused)
+    return choose_kernel(device, q.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape), tile_kind,
+                         deterministic=torch.are_deterministic_algorithms_enabled(),
+                         cuda_kernels=cuda_kernels_enabled(), fused=use_fused, capability=_capability(q.device))
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of a CUDA device (read once per device)."""
+    return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
 
 
 # ----------------------------------------------------------------------------- the ops
@@ -267,18 +294,9 @@ def _bias(masked: torch.Tensor, dtype: torch.dtype, align: int) -> torch.Tensor:
     return bias.masked_fill_(masked, float("-inf"))
 
 
-def _q4(choice: KernelChoice, q: torch.Tensor) -> torch.Tensor:
-    """q [..., Hkv, G, R, D] in the choice's layout, 4-d."""
-    hkv, g, r, d = q.shape[-4:]
-    if choice.layout is HeadLayout.ROWS:
-        return q.reshape(-1, hkv, g * r, d)
-    return q.reshape(-1, hkv * g, r, d)
-
-
-def _kv4(choice: KernelChoice, x: torch.Tensor, groups: int) -> torch.Tensor:
-    """k or v [..., Hkv, C, D], 4-d, its heads repeated ``groups`` times for the ``expand`` layout."""
-    x4 = x.reshape(-1, *x.shape[-3:])
-    return x4.repeat_interleave(groups, dim=1) if choice.layout is HeadLayout.EXPAND and groups > 1 else x4
+def _expand(choice: KernelChoice, x: torch.Tensor, groups: int) -> torch.Tensor:
+    """k or v [B, Hkv, C, D], its heads repeated ``groups`` times for the ``expand`` layout."""
+    return x.repeat_interleave(groups, dim=1) if choice.layout is HeadLayout.EXPAND and groups > 1 else x
 
 
 def _unexpand(choice: KernelChoice, g4: torch.Tensor, groups: int) -> torch.Tensor:
@@ -326,32 +344,44 @@ def _cuda_cudnn_forward(choice: KernelChoice, q4: Any, k4: Any, v4: Any, scale: 
 
 def _cpu_flash_backward(choice: KernelChoice, do4: Any, q4: Any, k4: Any, v4: Any, out4: Any, lse: Any,
                         scale: float, bias: Any) -> tuple[Any, Any, Any]:
-    lse = lse.reshape(q4.shape[:-1])
     if choice.diagonal_blocks > 1:
         return diagonal.backward(_CPU_FLASH_BACKWARD, do4, q4, k4, v4, out4, lse, scale, choice.diagonal_blocks)
     dq, dk, dv = _CPU_FLASH_BACKWARD(do4, q4, k4, v4, out4, lse, 0.0, choice.is_causal, attn_mask=bias, scale=scale)
     return dq, dk, dv
 
 
+@functools.lru_cache(maxsize=64)
+def philox_state(name: Kernel, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dropout seed and offset a CUDA backward op reads, made once per kernel and device (dropout is 0, so
+    their values are never read), placed and typed as torch's own forward returns them: flash, uint64 [2] and
+    [] on the device; cuDNN, int64 [1] and [1] on the device; efficient, int64 [] and [] on the host (torch
+    keeps them there outside CUDA-graph capture)."""
+    if name is Kernel.CUDA_FLASH:
+        return torch.zeros(2, dtype=torch.uint64, device=device), torch.zeros((), dtype=torch.uint64, device=device)
+    if name is Kernel.CUDA_CUDNN:
+        return torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int64, device=device)
+    return torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+
+
 def _cuda_flash_backward(choice: KernelChoice, do4: Any, q4: Any, k4: Any, v4: Any, out4: Any, lse: Any,
                          scale: float, bias: Any) -> tuple[Any, Any, Any]:
     r, c = q4.shape[2], k4.shape[2]
-    seed = torch.empty(2, dtype=torch.uint64, device=q4.device)  # dropout 0: the philox state is not read
-    offset = torch.empty((), dtype=torch.uint64, device=q4.device)
-    dq, dk, dv = _op(choice, True, q4.device)(do4, q4, k4, v4, out4, _lse4(lse, q4), None, None, r, c, 0.0,
+    seed, offset = philox_state(choice.name, q4.device)
+    dq, dk, dv = _op(choice, True, q4.device)(do4, q4, k4, v4, out4, _lse4(lse), None, None, r, c, 0.0,
                                               choice.is_causal, seed, offset, scale=scale)
     return dq, dk, dv
 
 
-def _lse4(lse: Any, q4: Any) -> Any:
-    """The log-sum-exp as the CUDA backward ops read it: [B, H, R] float32, contiguous."""
-    return lse.reshape(q4.shape[:-1]).float().contiguous()
+def _lse4(lse: Any) -> Any:
+    """The log-sum-exp as the CUDA backward ops read it: [B, H, R] float32, contiguous (a tile's rows of a longer
+    one are a strided view)."""
+    return lse.float().contiguous()
 
 
 def _cuda_efficient_backward(choice: KernelChoice, do4: Any, q4: Any, k4: Any, v4: Any, out4: Any, lse: Any,
                              scale: float, bias: Any) -> tuple[Any, Any, Any]:
-    r, lse4 = q4.shape[2], _lse4(lse, q4)
-    seed, offset = torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)  # dropout 0
+    r, lse4 = q4.shape[2], _lse4(lse)
+    seed, offset = philox_state(choice.name, q4.device)
     padded = lse4.new_zeros(*lse4.shape[:-1], -(-r // 32) * 32)  # the op's own row padding
     padded[..., :r] = lse4
     dq, dk, dv, _ = _op(choice, True, q4.device)(do4, q4, k4, v4, _expanded(bias, q4), out4, padded, seed, offset,
@@ -362,8 +392,8 @@ def _cuda_efficient_backward(choice: KernelChoice, do4: Any, q4: Any, k4: Any, v
 def _cuda_cudnn_backward(choice: KernelChoice, do4: Any, q4: Any, k4: Any, v4: Any, out4: Any, lse: Any,
                          scale: float, bias: Any) -> tuple[Any, Any, Any]:
     r, c = q4.shape[2], k4.shape[2]
-    seed, offset = torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)  # dropout 0
-    dq, dk, dv = _op(choice, True, q4.device)(do4, q4, k4, v4, out4, _lse4(lse, q4).unsqueeze(-1), seed, offset,
+    seed, offset = philox_state(choice.name, q4.device)
+    dq, dk, dv = _op(choice, True, q4.device)(do4, q4, k4, v4, out4, _lse4(lse).unsqueeze(-1), seed, offset,
                                               _expanded(bias, q4), None, None, r, c, 0.0, choice.is_causal,
                                               scale=scale)
     return dq, dk, dv
@@ -380,46 +410,46 @@ _CALLS = {
 
 def forward(choice: KernelChoice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             masked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tile: q [..., Hkv, G, R, D], k [..., Hkv, C, D], v [..., Hkv, C, Dv] (any dtype; cast to the choice's);
-    ``masked`` bool [R, C] (None for full tiles; causal tiles need it only on the math path).
+    """One tile: q [B, Hq, R, D], k [B, Hkv, C, D], v [B, Hkv, C, Dv] (any strides, any dtype: cast to the
+    choice's); ``masked`` bool [R, C] (None for full tiles; causal tiles need it only on the math path).
 
-    Returns the tile's normalized output [..., Hkv, G, R, Dv] (the kernel's dtype) and its log-sum-exp
-    [..., Hkv, G, R] (float32, float64 for float64).
+    Returns the tile's normalized output [B, Hq, R, Dv] (the kernel's dtype) and its log-sum-exp [B, Hq, R]
+    (float32, float64 for float64).
     """
-    lead, (hkv, g, r, _), dv = q.shape[:-4], q.shape[-4:], v.shape[-1]
     q, k, v = (t.to(choice.dtype) for t in (q, k, v))
     if choice.name is Kernel.MATH:
         out, lse = _math_forward(q, k, v, scale, masked)
     else:
-        q4, k4, v4 = _q4(choice, q), _kv4(choice, k, g), _kv4(choice, v, g)
-        bias = None if not choice.bias else _bias(masked, q4.dtype, 16)  # type: ignore[arg-type]
-        out, lse = _CALLS[choice.name][0](choice, q4, k4, v4, scale, bias)
-    return out.reshape(*lead, hkv, g, r, dv), lse.reshape(*lead, hkv, g, r).to(compute_dtype(q.dtype))
+        g = q.shape[1] // k.shape[1]
+        bias = None if not choice.bias else _bias(masked, q.dtype, 16)  # type: ignore[arg-type]
+        out, lse = _CALLS[choice.name][0](choice, q, _expand(choice, k, g), _expand(choice, v, g), scale, bias)
+    return out, lse.to(compute_dtype(q.dtype))
 
 
 def backward(choice: KernelChoice, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, scale: float,
+             out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor | None, scale: float,
              masked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One tile's dq, dk, dv (the kernel's dtype), given the whole attention's output ``out`` and log-sum-exp
     ``lse`` at the tile's rows (so the tile's softmax is its share of the whole one), and ``delta`` =
-    rowsum(do * out) (used by the math path; the fused kernels compute it themselves). Layouts as ``forward``."""
-    lead, (hkv, g, r, d), c = q.shape[:-4], q.shape[-4:], k.shape[-2]
+    rowsum(do * out) (read by the math path only; the fused kernels compute it themselves). Layouts as
+    ``forward``."""
     q, k, v, do, out = (t.to(choice.dtype) for t in (q, k, v, do, out))
     if choice.name is Kernel.MATH:
+        assert delta is not None, "the reference backward reads delta = rowsum(do * out)"
         return _math_backward(do, q, k, v, lse, delta, scale, masked)
-    q4, k4, v4, do4, out4 = _q4(choice, q), _kv4(choice, k, g), _kv4(choice, v, g), _q4(choice, do), _q4(choice, out)
-    bias = None if not choice.bias else _bias(masked, q4.dtype, 16)  # type: ignore[arg-type]
-    dq, dk, dv = _CALLS[choice.name][1](choice, do4, q4, k4, v4, out4, lse, scale, bias)
-    dk, dv = _unexpand(choice, dk, g), _unexpand(choice, dv, g)
-    return (dq.reshape(*lead, hkv, g, r, d), dk.reshape(*lead, hkv, c, d),
-            dv.reshape(*lead, hkv, c, v.shape[-1]))
+    g = q.shape[1] // k.shape[1]
+    bias = None if not choice.bias else _bias(masked, q.dtype, 16)  # type: ignore[arg-type]
+    dq, dk, dv = _CALLS[choice.name][1](choice, do, q, _expand(choice, k, g), _expand(choice, v, g), out, lse,
+                                        scale, bias)
+    return dq, _unexpand(choice, dk, g), _unexpand(choice, dv, g)
 
 
 def _math_scores(q: torch.Tensor, k: torch.Tensor, scale: float, masked: torch.Tensor | None) -> torch.Tensor:
-    """Scores [..., Hkv, G, R, C] of q [..., Hkv, G, R, D] against k [..., Hkv, C, D], masked entries -inf."""
-    hkv, g, r, d = q.shape[-4:]
-    s = torch.matmul(q.reshape(*q.shape[:-4], hkv, g * r, d), k.transpose(-1, -2)).mul_(scale)
-    s = s.view(*q.shape[:-1], k.shape[-2])
+    """Scores [B, Hq, R, C] of q [B, Hq, R, D] against k [B, Hkv, C, D], masked entries -inf."""
+    b, hq, r, d = q.shape
+    hkv = k.shape[1]
+    s = torch.matmul(q.reshape(b, hkv, hq // hkv * r, d), k.transpose(-1, -2)).mul_(scale)
+    s = s.view(b, hq, r, k.shape[-2])
     if masked is not None:
         s.masked_fill_(masked, float("-inf"))  # [R, C] broadcasts over every head
     return s
@@ -431,17 +461,19 @@ def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     m = s.amax(-1, keepdim=True)  # finite: every row of a tile sees at least one key
     p = torch.exp_(s.sub_(m))
     total = p.sum(-1, keepdim=True)
-    hkv, g, r, _ = q.shape[-4:]
-    out = torch.matmul(p.view(*q.shape[:-4], hkv, g * r, -1), v).view(*q.shape[:-1], v.shape[-1]).div_(total)
+    b, hq, r, _ = q.shape
+    hkv = k.shape[1]
+    out = torch.matmul(p.view(b, hkv, hq // hkv * r, -1), v).view(b, hq, r, v.shape[-1]).div_(total)
     return out, m.add_(total.log_()).squeeze(-1)
 
 
 def _math_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                    delta: torch.Tensor, scale: float, masked: torch.Tensor | None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    lead, (hkv, g, r, d) = q.shape[:-4], q.shape[-4:]
+    b, hq, r, d = q.shape
+    hkv = k.shape[1]
     p = torch.exp_(_math_scores(q, k, scale, masked).sub_(lse.unsqueeze(-1)))  # the whole attention's softmax
-    rows = (*lead, hkv, g * r)
+    rows = (b, hkv, hq // hkv * r)
     p2, do2 = p.view(*rows, -1), do.reshape(*rows, do.shape[-1])
     dv = torch.matmul(p2.transpose(-1, -2), do2)
     ds = p2.mul_(torch.matmul(do2, v.transpose(-1, -2)).sub_(delta.reshape(rows).unsqueeze(-1)))
@@ -450,6 +482,6 @@ def _math_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     return dq, dk, dv
 
 
-__all__ = ["CUDA_KERNELS", "HeadLayout", "Kernel", "KernelChoice", "Name", "TileKind", "backward", "choose_kernel",
-           "compute_dtype", "cuda_kernels_enabled", "forward", "mask_of"]
+__all__ = ["AMPERE", "CUDA_KERNELS", "HeadLayout", "Kernel", "KernelChoice", "Name", "TileKind", "backward", "choose_kernel",
+           "compute_dtype", "cuda_kernels_enabled", "cuda_order", "forward", "mask_of", "philox_state"]
 

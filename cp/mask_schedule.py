@@ -20,13 +20,25 @@ run of the block's columns, and everything below is interval arithmetic:
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from cp.kernels import TileKind, mask_of
+from cp.kernels import Name, TileKind, mask_of
+
+
+class Cover(Name):
+    """How the tiles of a pass meet a rank's query rows (or a block's keys): whether their results are written or
+    merged."""
+
+    ONE_TILE = "one_tile"  # one tile holds every row in order: its result is the pass's
+    RUNS = "runs"          # consecutive runs in order, each row in one: results concatenated
+    ONCE = "once"          # every row in at most one tile (any order, some maybe in none): written at their rows
+    MERGED = "merged"      # some row in several tiles: merged (the online softmax; gradients summed)
+
 
 #: A run of at least this many queries with one key interval is a tile of its own, computed without a mask.
 FULL_ROWS = 16
@@ -80,6 +92,11 @@ class Block:
     def allowed(self) -> int:
         return sum(t.allowed for t in self.tiles)
 
+    @functools.cached_property
+    def column_cover(self) -> Cover:
+        """How the block's keys meet its tiles (whether their dK/dV are written or summed)."""
+        return _cover(self.size, [(t.c0, t.c1) for t in self.tiles])
+
     def to(self, device: torch.device) -> Block:
         return Block(self.source, self.size, _to(self.index, device), tuple(t.to(device) for t in self.tiles))
 
@@ -117,12 +134,26 @@ class Schedule:
         """Allowed (query, key) pairs of this rank's queries over all blocks."""
         return sum(b.allowed for b in self.blocks if b is not None)
 
-    def to(self, device: torch.device) -> Schedule:
-        """The same schedule with its index tensors on ``device`` (where the attention's tensors are)."""
-        return Schedule(self.rank, self.n, self.local, self.sizes,
-                        tuple(None if b is None else b.to(device) for b in self.blocks),
-                        tuple(None if s is None else Send(s.dest, s.size, _to(s.index, device)) for s in self.sends),
-                        self.needed)
+    @functools.cached_property
+    def row_cover(self) -> Cover:
+        """How this rank's query rows meet the tiles of all its blocks (what the engine merges)."""
+        return _cover(self.local, [t.rows for b in self.blocks if b is not None for t in b.tiles])
+
+
+def _cover(count: int, spans: Sequence[Any]) -> Cover:
+    """How ``count`` rows (or keys) meet ``spans`` in order: slices, index tensors or (start, stop) pairs."""
+    bounds = [(s.start, s.stop) if isinstance(s, slice) else s for s in spans if not isinstance(s, torch.Tensor)]
+    if len(bounds) == len(spans) and bounds and bounds[0][0] == 0 and bounds[-1][1] == count and all(
+            a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False)):
+        return Cover.ONE_TILE if len(bounds) == 1 else Cover.RUNS
+    seen = torch.zeros(count + 1, dtype=torch.int64)
+    for span in spans:
+        if isinstance(span, torch.Tensor):
+            seen.index_add_(0, span.cpu(), torch.ones(span.numel(), dtype=torch.int64))
+        else:
+            a, b = (span.start, span.stop) if isinstance(span, slice) else span
+            seen[a:b] += 1
+    return Cover.MERGED if count == 0 or int(seen.max()) > 1 else Cover.ONCE
 
 
 def _to(x: Any, device: torch.device) -> Any:

@@ -127,9 +127,9 @@ class Exchange:
             kb, vb = kb[..., :size, :], vb[..., :size, :]
         return kb, vb
 
-    def buffer(self, tokens: int, like: torch.Tensor | None = None) -> torch.Tensor:
-        """An empty flat buffer for the K and V (or their gradients: ``like``'s dtype) of ``tokens`` tokens."""
-        return (self.k if like is None else like).new_empty(tokens * self.per_token)
+    def buffer(self, tokens: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """An empty flat buffer for the K and V (or their gradients, in ``dtype``) of ``tokens`` tokens."""
+        return self.k.new_empty(tokens * self.per_token, dtype=dtype)
 
     @staticmethod
     def select(kb: torch.Tensor, vb: torch.Tensor, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,18 +188,30 @@ class Exchange:
         rank's own block), then ``result()``, this rank's own dK and dV once every rank's share has arrived."""
 
         def __init__(self, kv: Exchange, dtype: torch.dtype):
-            self.kv = kv
-            self.dk = kv.k.new_zeros(kv.k.shape, dtype=dtype)
-            self.dv = kv.v.new_zeros(kv.v.shape, dtype=dtype)
+            self.kv, self.dtype = kv, dtype
+            self.dk: Any = None  # this rank's own dK / dV, from its own block (``add`` at t = 0)
+            self.dv: Any = None
 
         def post_receives(self) -> None:
             """Post the gradients' receives with the K/V's (``posts_first``)."""
 
         def add(self, t: int, block: Block | None, dkb: torch.Tensor | None, dvb: torch.Tensor | None) -> None:
             """Hand over step t's dK/dV of block t (None when this rank computed nothing at step t)."""
-            if t == 0 and block is not None:
-                add_tokens(self.dk, self.dv, block.index, dkb, dvb)  # type: ignore[arg-type]
+            if t == 0:
+                self.own(block, dkb, dvb)
             self.step(t, block, dkb, dvb)
+
+        def own(self, block: Block | None, dkb: Any, dvb: Any) -> None:
+            """This rank's own block's dK/dV start its dK/dV: as they are where they hold every token in order and
+            are summed in the pass's dtype or nothing else arrives (one rank); else added into zeros."""
+            kv = self.kv
+            if block is not None and block.index is None and (kv.n == 1 or dkb.dtype == self.dtype):
+                self.dk, self.dv = dkb, dvb
+                return
+            dtype = self.dtype if kv.n > 1 or dkb is None else dkb.dtype
+            self.dk, self.dv = kv.k.new_zeros(kv.k.shape, dtype=dtype), kv.v.new_zeros(kv.v.shape, dtype=dtype)
+            if block is not None:
+                add_tokens(self.dk, self.dv, block.index, dkb, dvb)
 
         def step(self, t: int, block: Block | None, dkb: Any, dvb: Any) -> None:
             """What the transport does with step t's dK/dV (t = 0: this rank's own, already added)."""
@@ -263,12 +275,12 @@ class Ring(Exchange):
                 if block.index is None:
                     mine = torch.cat([dkb.reshape(-1), dvb.reshape(-1)])
                 else:
-                    whole = self.dk.new_zeros(size * kv.per_token)
+                    whole = kv.k.new_zeros(size * kv.per_token, dtype=self.dtype)
                     gk, gv = kv.unpack(whole, size)
                     add_tokens(gk, gv, block.index, dkb, dvb)
                     mine = whole
             if t == 0:  # this rank's own block starts its accumulator (its own share is already in dk / dv)
-                dkv = self.dk.new_zeros(size * kv.per_token)
+                dkv = kv.k.new_zeros(size * kv.per_token, dtype=self.dtype)
             else:
                 assert self.incoming is not None
                 dkv = self.incoming if mine is None else mine.add_(self.incoming)
@@ -276,7 +288,7 @@ class Ring(Exchange):
             # the last step this rank's own, complete.
             nxt, prv = (kv.rank + 1) % kv.n, (kv.rank - 1) % kv.n
             self.sending = dkv
-            self.incoming = kv.buffer(kv.sched.sizes[(kv.rank - t - 1) % kv.n], like=dkv)
+            self.incoming = kv.buffer(kv.sched.sizes[(kv.rank - t - 1) % kv.n], self.dtype)
             self.works = start_ops([kv.send_op(self.sending, nxt, TAG_DKV), kv.recv_op(self.incoming, prv, TAG_DKV)])
             kv.tell("grad_sent", nxt, self.sending)
             kv.tell("grad_received", prv, self.incoming)
@@ -360,7 +372,7 @@ class PointToPoint(Exchange):
         def receive(self, send: Send) -> Any:
             """The op receiving the dK/dV of the tokens this rank sent by ``send``."""
             kv = self.kv
-            incoming = kv.buffer(send.size, like=self.dk)
+            incoming = kv.buffer(send.size, self.dtype)
             kv.tell("grad_received", send.dest, incoming)
             self.arriving.append((incoming, send))
             return kv.recv_op(incoming, send.dest, TAG_DKV)
@@ -499,7 +511,7 @@ class AllGather(Exchange):
                 return
             kv, most = self.kv, self.kv.padded  # type: ignore[attr-defined]
             if self.rows is None:
-                self.rows = self.dk.new_zeros(kv.n, most * kv.per_token)
+                self.rows = kv.k.new_zeros(kv.n, most * kv.per_token, dtype=self.dtype)
             gk, gv = kv.unpack(self.rows[block.source], kv.sched.sizes[block.source], most)
             add_tokens(gk, gv, block.index, dkb, dvb)
 
@@ -508,7 +520,7 @@ class AllGather(Exchange):
             if kv.n == 1:
                 return self.dk, self.dv
             most = kv.padded  # type: ignore[attr-defined]
-            send = self.rows if self.rows is not None else self.dk.new_zeros(kv.n, most * kv.per_token)
+            send = self.rows if self.rows is not None else kv.k.new_zeros(kv.n, most * kv.per_token, dtype=self.dtype)
             recv = torch.empty_like(send)
             dist.all_to_all_single(recv, send, group=kv.group)  # row j to rank j: a reduce-scatter
             for peer in range(kv.n):

@@ -49,7 +49,8 @@ def test_cuda_choices_by_dtype_kind_and_shape():
 
 
 def test_cpu_choices_and_bad_requests():
-    assert choose_kernel("cpu", BF, Q, K, K, CAUSAL) == kernels.KernelChoice("cpu_flash", F32, "heads", True, False)
+    # The CPU op takes half inputs as they are (accumulating in float32 inside), as SDPA runs it: no float32 copies.
+    assert choose_kernel("cpu", BF, Q, K, K, CAUSAL) == kernels.KernelChoice("cpu_flash", BF, "heads", True, False)
     assert choose_kernel("cpu", F64, Q, GQA_K, GQA_K, MASKED) == kernels.KernelChoice("cpu_flash", F64, "heads",
                                                                                       False, True)
     assert choose_kernel("cpu", F32, Q, K, (2, 8, 64, 32), FULL).name == "math"
@@ -67,7 +68,7 @@ def _tile(kind, dtype, device, hkv=2, g=3, r=6, c=6, d=8, dv=8, seed=0):
 
     def rnd(*shape):
         return torch.randn(*shape, generator=gen, dtype=F64).to(dtype).to(device)
-    q, k, v = rnd(2, hkv, g, r, d), rnd(2, hkv, c, d), rnd(2, hkv, c, dv)
+    q, k, v = rnd(2, hkv * g, r, d), rnd(2, hkv, c, d), rnd(2, hkv, c, dv)
     lo = torch.tensor([0, 1, 0, 2, 3, 1][:r]) if kind == MASKED else None
     hi = torch.tensor([2, 4, 6, 5, 6, 2][:r]) if kind == MASKED else None
     masked = kernels.mask_of(lo, hi, r, c, kind, torch.device(device))
@@ -86,7 +87,7 @@ def test_cuda_calls_run_on_meta_tensors():
                     assert (name, kind) == ("cuda_flash", MASKED), choice
                     continue
                 q, k, v = (torch.empty(s, dtype=BF, device="meta") for s in
-                           ((1, hkv, g, 64, 64), (1, hkv, 64, 64), (1, hkv, 64, 64)))
+                           ((1, hkv * g, 64, 64), (1, hkv, 64, 64), (1, hkv, 64, 64)))
                 masked = None if kind == FULL else torch.empty(64, 64, dtype=torch.bool, device="meta")
                 out, lse = kernels.forward(choice, q, k, v, 0.125, masked)
                 assert out.shape == q.shape and out.dtype == BF and lse.shape == q.shape[:-1] and lse.dtype == F32
@@ -120,8 +121,7 @@ def test_cpu_flash_equals_the_reference_for_every_tile_kind():
             qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
             allowed = None if masked is None else ~masked
             want = torch.nn.functional.scaled_dot_product_attention(
-                qq.flatten(1, 2), kk.repeat_interleave(g, 1), vv.repeat_interleave(g, 1), attn_mask=allowed,
-                scale=0.3).view(o2.shape)
+                qq, kk.repeat_interleave(g, 1), vv.repeat_interleave(g, 1), attn_mask=allowed, scale=0.3)
             want.backward(do)
             assert torch.allclose(o2, want, atol=1e-12)
             assert all(torch.allclose(a, b.grad, atol=1e-12) for a, b in zip(g2, (qq, kk, vv), strict=True)), kind
@@ -141,7 +141,7 @@ def test_cpu_causal_tiles_of_512_rows_or_more_are_cut_into_diagonal_blocks():
         assert c.is_causal and c.diagonal_blocks == 1, c
     gen = torch.Generator().manual_seed(3)
     r, g = 768, 2
-    q = torch.randn(2, 2, g, r + 7, 8, generator=gen, dtype=F64)[..., 4:r + 4, :]
+    q = torch.randn(2, 2 * g, r + 7, 8, generator=gen, dtype=F64)[..., 4:r + 4, :]
     k, v, do = (torch.randn(*shape, generator=gen, dtype=F64) for shape in ((2, 2, r, 8), (2, 2, r, 8), q.shape))
     fused = choose_kernel("cpu", F64, (2, 2 * g, r, 8), (2, 2, r, 8), (2, 2, r, 8), CAUSAL)
     ref = kernels.KernelChoice("math", F64, "rows")
@@ -152,3 +152,104 @@ def test_cpu_causal_tiles_of_512_rows_or_more_are_cut_into_diagonal_blocks():
     delta = (do * o2).sum(-1)
     g1, g2 = (kernels.backward(c, do, q, k, v, o2, l2, delta, 0.3, masked) for c in (fused, ref))
     assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(g1, g2, strict=True))
+
+
+# ------------------------------------------------------------------ the card decides, torch's switches allow
+
+VIDEO = (1, 24, 256, 128), (1, 24, 256, 128)  # the GPU check's heads and head dim, one tile
+
+
+def test_kernel_order_by_card():
+    """Full and causal half tiles run cuDNN's fused attention on Hopper and later, FlashAttention-2 on Ampere / Ada,
+    memory-efficient before 8.0; masked tiles memory-efficient first everywhere; torch's switches still decide what
+    is allowed, and a kernel a tile does not fit falls through to the next of the card's order."""
+    q, k = VIDEO
+    rows = {
+        # capability: (full/causal bf16, masked bf16, full float32)
+        (7, 5): ("cuda_efficient", "cuda_efficient", "cuda_efficient"),
+        (8, 0): ("cuda_flash", "cuda_efficient", "cuda_efficient"),
+        (8, 9): ("cuda_flash", "cuda_efficient", "cuda_efficient"),
+        (9, 0): ("cuda_cudnn", "cuda_efficient", "cuda_efficient"),
+        (10, 0): ("cuda_cudnn", "cuda_efficient", "cuda_efficient"),
+        (12, 0): ("cuda_cudnn", "cuda_efficient", "cuda_efficient"),
+    }
+    for cap, (half, masked, single) in rows.items():
+        for kind in (FULL, CAUSAL):
+            assert choose_kernel("cuda", BF, q, k, k, kind, capability=cap).name == half, (cap, kind)
+        assert choose_kernel("cuda", BF, q, k, k, MASKED, capability=cap).name == masked, cap
+        assert choose_kernel("cuda", F32, q, k, k, FULL, capability=cap).name == single, cap
+        assert kernels.cuda_order(cap, FULL)[0] == half
+    hopper = {"capability": (9, 0)}
+    # Switched off, cuDNN gives way to flash on Hopper; flash off too, memory-efficient.
+    assert choose_kernel("cuda", BF, q, k, k, FULL, cuda_kernels=frozenset({"cuda_flash", "cuda_efficient"}),
+                         **hopper).name == "cuda_flash"
+    assert choose_kernel("cuda", BF, q, k, k, FULL, cuda_kernels=frozenset({"cuda_efficient"}), **hopper).name \
+        == "cuda_efficient"
+    # A head dim cuDNN does not take (above 128) runs flash on Hopper; GQA runs flash's own heads there.
+    big = (1, 8, 256, 256)
+    assert choose_kernel("cuda", BF, big, big, big, CAUSAL, **hopper).name == "cuda_flash"
+    c = choose_kernel("cuda", BF, q, (1, 4, 256, 128), (1, 4, 256, 128), FULL, **hopper)
+    assert (c.name, c.layout) == ("cuda_cudnn", "expand")
+    # Before 8.0 nothing but memory-efficient, and the reason says why when it cannot run either.
+    old = choose_kernel("cuda", BF, q, k, k, FULL, deterministic=True, capability=(7, 0))
+    assert old.name == "math" and "compute capability 8.0" in old.reason and "non-deterministic" in old.reason
+    # The default is Ampere's order (the tests above that pass no card).
+    assert kernels.AMPERE == (8, 0) and choose_kernel("cuda", BF, q, k, k, FULL).name == "cuda_flash"
+
+
+#: What each CUDA op's tensor arguments must be, as torch's own forward returns them to its backward: on the
+#: inputs' device unless named here (efficient's dropout seed and offset stay on the host outside graph capture).
+_ON_HOST = {("cuda_efficient", "backward"): {"philox_seed", "philox_offset"}}
+_DTYPES = {("cuda_flash", "philox_seed"): torch.uint64, ("cuda_flash", "philox_offset"): torch.uint64,
+           ("cuda_cudnn", "philox_seed"): torch.int64, ("cuda_cudnn", "philox_offset"): torch.int64,
+           ("cuda_efficient", "philox_seed"): torch.int64, ("cuda_efficient", "philox_offset"): torch.int64}
+
+
+def test_every_cuda_call_passes_its_tensors_where_the_op_runs(monkeypatch):
+    """Each CUDA kernel's forward and backward wrapper, the aten op replaced by a recorder that checks every tensor
+    argument (by the op's schema name) against where torch's op reads it and its dtype, then runs torch's meta
+    kernel: a seed left on the host where the op wants it on the device (cuDNN's backward crashed so on an H200)
+    fails here without a GPU."""
+    real_op = kernels._op
+    seen: list[tuple[str, str, str]] = []
+
+    def recording(choice, backward, device):
+        op = real_op(choice, backward, device)
+        way = "backward" if backward else "forward"
+        names = [a.name for a in op.default._schema.arguments]
+
+        def record(*args, **kwargs):
+            bound = dict(zip(names, args, strict=False)) | kwargs
+            for name, value in bound.items():
+                for t in (value if isinstance(value, (list, tuple)) else [value]):
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    host = name in _ON_HOST.get((choice.name, way), set())
+                    assert t.device == (torch.device("cpu") if host else device), (choice.name, way, name, t.device)
+                    want = _DTYPES.get((choice.name, name))
+                    if name in ("logsumexp",):
+                        want = F32
+                    elif name in ("query", "key", "value", "grad_out", "out", "attn_bias"):
+                        want = BF
+                    assert want is None or t.dtype == want, (choice.name, way, name, t.dtype, want)
+                    seen.append((choice.name, way, name))
+            return op(*args, **kwargs)
+
+        return record
+
+    monkeypatch.setattr(kernels, "_op", recording)
+    for name in kernels.CUDA_KERNELS:
+        for kind in (FULL, CAUSAL, MASKED):
+            choice = choose_kernel("cuda", BF, (1, 4, 64, 64), (1, 2, 64, 64), (1, 2, 64, 64), kind,
+                                   cuda_kernels=frozenset({name}))
+            if choice.name != name:
+                continue
+            q, k, v = (torch.empty(s, dtype=BF, device="meta") for s in ((1, 4, 64, 64), (1, 2, 64, 64), (1, 2, 64, 64)))
+            masked = None if kind == FULL else torch.empty(64, 64, dtype=torch.bool, device="meta")
+            out, lse = kernels.forward(choice, q, k, v, 0.125, masked)
+            kernels.backward(choice, out, q, k, v, out, lse, None, 0.125, masked)
+    for name in kernels.CUDA_KERNELS:
+        for way in ("forward", "backward"):
+            assert (name, way, "query") in seen, (name, way)
+    for name in ("cuda_flash", "cuda_cudnn", "cuda_efficient"):
+        assert (name, "backward", "philox_seed") in seen and (name, "backward", "philox_offset") in seen, name
