@@ -159,15 +159,12 @@ from parallel_state.runtime.mesh import device_mesh, fsdp_mesh  # noqa: F401
 from parallel_state.runtime.resolve import collective_device, resolve_global_rank, resolve_world_size  # noqa: F401
 from parallel_state.topology.attention_mask import AttentionMask  # noqa: F401
 from parallel_state.topology.cp_plan import ContextParallelPlan, plan_context_parallel, shard_sizes  # noqa: F401
-from parallel_state.topology.dispatch_cost import AttentionShape, CostRates, Transport  # noqa: F401
-from parallel_state.topology.dispatch_plan import DispatchPlan, Layout, plan_dispatch, plan_dual_chunk_swap  # noqa: F401
+from parallel_state.topology.dispatch_cost import AttentionShape, CostRates  # noqa: F401
+from parallel_state.topology.dispatch_layout import Layout, Transport  # noqa: F401
+from parallel_state.topology.dispatch_plan import DispatchPlan, plan_dispatch, plan_dual_chunk_swap  # noqa: F401
 from parallel_state.topology.init_arguments import InitArguments  # noqa: F401
-from parallel_state.topology.plan import (  # noqa: F401
-    DEFAULT_ORDER,
-    TopologyPlan,
-    default_embedding_ranks,
-    default_position_embedding_ranks,
-)
+from parallel_state.topology.kinds import default_embedding_ranks, default_position_embedding_ranks  # noqa: F401
+from parallel_state.topology.plan import DEFAULT_ORDER, TopologyPlan  # noqa: F401
 from parallel_state.topology.rank_generator import RankGenerator, generate_masked_orthogonal_rank_groups  # noqa: F401
 from parallel_state.topology.releases import in_use as megatron_release  # noqa: F401
 from parallel_state.topology.sample_plan import Placement, SamplePlan, plan_samples  # noqa: F401
