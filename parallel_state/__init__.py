@@ -131,11 +131,8 @@ from parallel_state.megatron.accessors import (  # noqa: F401  (re-exported API)
 )
 from parallel_state.megatron.bridge import bridge_megatron  # noqa: F401
 from parallel_state.megatron.cp_size_t import find_split  # noqa: F401
-from parallel_state.megatron.initialize import (  # noqa: F401
-    create_all_gather_groups,
-    destroy_model_parallel,
-    initialize_model_parallel,
-)
+from parallel_state.megatron.generated_initialize import initialize_model_parallel  # noqa: F401
+from parallel_state.megatron.initialize import create_all_gather_groups, destroy_model_parallel  # noqa: F401
 from parallel_state.megatron.memory import (  # noqa: F401
     GlobalMemoryBuffer,
     GlobalSymmetricMemoryBuffer,
