@@ -166,6 +166,9 @@ from parallel_state.topology.rank_generator import RankGenerator, generate_maske
 from parallel_state.topology.releases import in_use as megatron_release  # noqa: F401
 from parallel_state.topology.sample_plan import Placement, SamplePlan, plan_samples  # noqa: F401
 
+# The base of every closed set of names, parallel_state's and cp's (a member is its str value).
+from parallel_state.topology.str_enum import StrEnum  # noqa: F401
+
 
 def __getattr__(name: str) -> object:
     """megatron-core's private globals (``_TENSOR_MODEL_PARALLEL_GROUP``, ...), read live from the state, and

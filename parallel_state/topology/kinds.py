@@ -85,8 +85,9 @@ class Field(NamedTuple):
     since: str = "0.16"
 
 
-class Layout(StrEnum):
-    """The rank layout a grid kind's dimensions belong to."""
+class GridLayout(StrEnum):
+    """The grid a grid kind's dimensions belong to: the decoder's or the expert's (``TopologyPlan.decoder``,
+    ``.expert``). Not a dispatch plan's token ``Layout`` (``ps.Layout``, ``topology.dispatch_layout``)."""
 
     DECODER = "decoder"
     EXPERT = "expert"
@@ -158,7 +159,7 @@ class Kind:
     # The shape's parameters, each read by its own shape only: the kinds are one dataclass, since a
     # dataclass per shape made importing this module cost 15 ms more (its generated methods).
     #: GridKind: the layout and its dimensions.
-    layout: Layout = Layout.DECODER
+    layout: GridLayout = GridLayout.DECODER
     dims: tuple[Dim, ...] = ()
     #: Parts of another kind's groups (SplitKind, BlockKind): that kind.
     base: str = ""
@@ -202,8 +203,8 @@ class Kind:
         for name, value, cls in (("zero_without", self.zero_without, Zero), ("which", self.which, Pick)):
             if value is not None and not isinstance(value, cls):
                 raise TypeError(f"kind {self.name!r}: {name} is a {cls.__name__} or None, got {value!r}")
-        if not isinstance(self.layout, Layout):
-            raise TypeError(f"kind {self.name!r}: layout is a Layout, got {self.layout!r}")
+        if not isinstance(self.layout, GridLayout):
+            raise TypeError(f"kind {self.name!r}: layout is a GridLayout, got {self.layout!r}")
         if self.gloo and not (megatron and gloo_label):
             raise TypeError(f"kind {self.name!r}: a gloo twin needs megatron-core's global and group_desc")
 
@@ -275,16 +276,16 @@ class GridKind(Kind):
         # Where the expert layout is the decoder's (no expert parallelism, an order megatron-core
         # refuses), the expert data-parallel groups take the context-parallel ranks in too.
         for kind in super().bind(plan):
-            if (self.layout is Layout.EXPERT and plan.expert is plan.decoder and Dim.DP in self.dims
+            if (self.layout is GridLayout.EXPERT and plan.expert is plan.decoder and Dim.DP in self.dims
                     and Dim.CP not in self.dims):
                 kind = dataclasses.replace(self, dims=(*self.dims, Dim.CP))
             yield kind
 
     def _grid(self, plan: Plan) -> Grid:
-        return plan.decoder if self.layout is Layout.DECODER else plan.expert
+        return plan.decoder if self.layout is GridLayout.DECODER else plan.expert
 
     def expert(self, plan: Plan) -> bool:
-        return self.layout is Layout.EXPERT
+        return self.layout is GridLayout.EXPERT
 
     def ranks(self, plan: Plan, rank: int) -> tuple[int, ...]:
         return plan.rank_map.global_ranks(self._grid(plan).group_ranks(self.dims, plan.rank_map.position(rank)))
@@ -666,33 +667,37 @@ ROWS: tuple[Kind, ...] = (
         nccl="pos_embd", with_ranks=True, field=Field("pos_embd", 4),
         hint="this rank holds no position embedding (its stage is not one get_position_embedding_ranks picked)"),
     EGTP := GridKind(
-        name="egtp", layout=Layout.EXPERT, dims=(Dim.GTP_REMAT,), title="expert generalized tensor-parallel (gtp_remat)",
+        name="egtp", layout=GridLayout.EXPERT, dims=(Dim.GTP_REMAT,), title="expert generalized tensor-parallel (gtp_remat)",
         label="EXPERT_GTP_WEIGHT_REMAT_GROUP", nccl="expt_gtp_remat", with_ranks=True, zero_without=Zero.WITHOUT_GROUPS,
         field=Field("expt_gtp_remat", 19, "0.19")),
     EP := GridKind(
-        name="ep", layout=Layout.EXPERT, dims=(Dim.EP,), title="expert-model-parallel", label="EXPERT_MODEL_PARALLEL_GROUP",
+        name="ep", layout=GridLayout.EXPERT, dims=(Dim.EP,), title="expert-model-parallel",
+        label="EXPERT_MODEL_PARALLEL_GROUP",
         nccl="ep", with_ranks=True, ranks_global="_EXPERT_MODEL_PARALLEL_RANKS", zero_without=Zero.WITHOUT_DIST,
         field=Field("ep", 8)),
     ETP := GridKind(
-        name="etp", layout=Layout.EXPERT, dims=(Dim.TP,), title="expert-tensor-parallel",
+        name="etp", layout=GridLayout.EXPERT, dims=(Dim.TP,), title="expert-tensor-parallel",
         label="EXPERT_TENSOR_PARALLEL_GROUP", nccl="ep_tp", field=Field("expt_tp", 9)),
     ETP_EP := GridKind(
-        name="etp-ep", layout=Layout.EXPERT, dims=(Dim.TP, Dim.EP), title="expert tensor-and-model-parallel",
+        name="etp-ep", layout=GridLayout.EXPERT, dims=(Dim.TP, Dim.EP), title="expert tensor-and-model-parallel",
         label="EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP", nccl="tp_ep_mp", zero_without=Zero.WITHOUT_DIST,
         field=Field("tp_ep", 10)),
     ETP_EP_PP := GridKind(
-        name="etp-ep-pp", layout=Layout.EXPERT, dims=(Dim.TP, Dim.EP, Dim.PP), title="expert tensor-model-pipeline-parallel",
+        name="etp-ep-pp", layout=GridLayout.EXPERT, dims=(Dim.TP, Dim.EP, Dim.PP),
+        title="expert tensor-model-pipeline-parallel",
         label="EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP", nccl="tp_ep_pp", field=Field("tp_ep_pp", 11)),
     ETP_EP_EGTP_PP := GridKind(
-        name="etp-ep-egtp-pp", layout=Layout.EXPERT, dims=(Dim.TP, Dim.EP, Dim.GTP_REMAT, Dim.PP),
+        name="etp-ep-egtp-pp", layout=GridLayout.EXPERT, dims=(Dim.TP, Dim.EP, Dim.GTP_REMAT, Dim.PP),
         title="expert tensor-model-pipeline-parallel (with expert gtp_remat)",
         label="EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP", nccl="tp_ep_gtp_remat_pp",
         field=Field("tp_ep_pp_with_egtp_remat", 12, "0.19")),
     EDP := GridKind(
-        name="edp", layout=Layout.EXPERT, dims=(Dim.DP,), title="expert data-parallel", label="EXPERT_DATA_PARALLEL_GROUP",
+        name="edp", layout=GridLayout.EXPERT, dims=(Dim.DP,), title="expert data-parallel",
+        label="EXPERT_DATA_PARALLEL_GROUP",
         nccl="ep_dp", gloo=True, zero_without=Zero.WITHOUT_DIST, field=Field("expt_dp", 20)),
     EGTP_EDP := GridKind(
-        name="egtp-edp", layout=Layout.EXPERT, dims=(Dim.GTP_REMAT, Dim.DP), title="expert data-parallel (with gtp_remat)",
+        name="egtp-edp", layout=GridLayout.EXPERT, dims=(Dim.GTP_REMAT, Dim.DP),
+        title="expert data-parallel (with gtp_remat)",
         label="EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT", nccl="ep_gtp_remat_dp", shares=(EDP.name,),
         zero_without=Zero.WITHOUT_DIST, field=Field("expt_dp_gtp_remat", 21, "0.19")),
     EDP_INTRA := InstanceSplit(
@@ -706,7 +711,7 @@ ROWS: tuple[Kind, ...] = (
         label=EGTP_EDP.label, nccl=EGTP_EDP.nccl, megatron="_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
         shares=(EDP_INTRA.name, EGTP_EDP.name), zero_without=Zero.WITHOUT_DIST),
     EDP_AG := GridKind(
-        name="edp-ag", layout=Layout.EXPERT, dims=(Dim.DP,), title="expert all-gather data-parallel",
+        name="edp-ag", layout=GridLayout.EXPERT, dims=(Dim.DP,), title="expert all-gather data-parallel",
         label="EXPERT_DATA_PARALLEL_GROUP_AG", nccl=EDP.nccl, megatron=None, separate=True,
         field=Field("expt_dp_ag", 22, "0.18"), when=lambda plan: plan.expert_all_gather and plan.ep > 1,
         hint="call parallel_state.create_all_gather_groups(for_expert_parallelism=True) with "
@@ -724,6 +729,15 @@ ROWS: tuple[Kind, ...] = (
 
 #: Every row by name (the families' too; numbered kinds are a plan's: ``Plan.kinds``).
 BY_NAME: dict[str, Kind] = {r.name: r for r in ROWS}
+
+def row(kind: str) -> Kind:
+    """The row of kind ``kind`` (a plan's numbered kinds: ``plan.kind(name)``)."""
+    try:
+        return BY_NAME[kind]
+    except KeyError:
+        raise KeyError(f"{kind!r} is not a fixed group kind; the kinds are {list(BY_NAME)} (numbered kinds: "
+                       f"TopologyPlan.kind)") from None
+
 
 #: ``ProcessGroupCollection``'s fields (every one is a kind's or a family's), in megatron-core 0.19's order.
 FIELDS: tuple[Kind, ...] = tuple(sorted((r for r in ROWS if r.field is not None), key=lambda r: r.field.slot))  # type: ignore[union-attr]
