@@ -247,7 +247,7 @@ def _variable(key: str) -> str:
 
 
 def key_source(key: str) -> str:
-    """The source of answer ``key`` as ``accessors.py`` writes it: its constant in ``answer_keys``, or its
+    """The source of answer ``key`` as ``generated_accessors.py`` writes it: its constant in ``answer_keys``, or its
     kind's constant in ``kinds`` and its fact (``kinds.TP_DP.key(Fact.GROUP)``): made by ``key`` at import."""
     from parallel_state.topology import answer_keys, kinds
 
