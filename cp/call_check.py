@@ -48,6 +48,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 
+import parallel_state
 from cp import agree, debug, meta, transports
 from cp.comm import global_ranks, meta_device
 from cp.engine import Confirm
@@ -73,7 +74,7 @@ MAX_FACTS = 12
 REASON_BYTES = 512
 
 
-class Method(enum.Enum):
+class Method(parallel_state.StrEnum):
     """How a masked call attends, which fixes the collectives it runs once checked (so the ranks must agree)."""
 
     RING = "the ring"    # ring_attention: K/V by the plan's transport

@@ -39,20 +39,17 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import torch
 
+import parallel_state
 from cp import diagonal
 
 
-class Name(str, Enum):
+class Name(parallel_state.StrEnum):
     """A member of one of cp's closed sets of names: a ``str`` equal to its value, which it formats as (on
     Python 3.10 as on 3.11+), so a misspelt member fails where it is read, not when a string is compared."""
-
-    __str__ = str.__str__
-    __format__ = str.__format__
 
 
 class TileKind(Name):

@@ -17,7 +17,6 @@ that round instead of making the call (``cp.call_check.refuse``), so every rank 
 
 from __future__ import annotations
 
-import enum
 import math
 import warnings
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import cp
+import parallel_state
 from cp import call_check, inputs
 from cp.attention import masked_ulysses
 from cp.comm import backend_for
@@ -37,7 +37,7 @@ from cp.usp import masked_usp
 TE_RELEASE = "v2.18"
 
 
-class QKVFormat(enum.Enum):
+class QKVFormat(parallel_state.StrEnum):
     """TE's ``qkv_format``: where the sequence and head dims of q, k and v are."""
 
     SBHD = "sbhd"
@@ -57,7 +57,7 @@ class QKVFormat(enum.Enum):
         return 3 if self is QKVFormat.THD else 4
 
 
-class CommType(enum.Enum):
+class CommType(parallel_state.StrEnum):
     """TE's ``cp_comm_type``, and the engine call each one becomes."""
 
     P2P = "p2p"              # cp.ring_attention, K/V point to point from owner to reader (cp.Transport.P2P)

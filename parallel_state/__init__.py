@@ -131,11 +131,8 @@ from parallel_state.megatron.accessors import (  # noqa: F401  (re-exported API)
 )
 from parallel_state.megatron.bridge import bridge_megatron  # noqa: F401
 from parallel_state.megatron.cp_size_t import find_split  # noqa: F401
-from parallel_state.megatron.initialize import (  # noqa: F401
-    create_all_gather_groups,
-    destroy_model_parallel,
-    initialize_model_parallel,
-)
+from parallel_state.megatron.generated_initialize import initialize_model_parallel  # noqa: F401
+from parallel_state.megatron.initialize import create_all_gather_groups, destroy_model_parallel  # noqa: F401
 from parallel_state.megatron.memory import (  # noqa: F401
     GlobalMemoryBuffer,
     GlobalSymmetricMemoryBuffer,
@@ -159,18 +156,18 @@ from parallel_state.runtime.mesh import device_mesh, fsdp_mesh  # noqa: F401
 from parallel_state.runtime.resolve import collective_device, resolve_global_rank, resolve_world_size  # noqa: F401
 from parallel_state.topology.attention_mask import AttentionMask  # noqa: F401
 from parallel_state.topology.cp_plan import ContextParallelPlan, plan_context_parallel, shard_sizes  # noqa: F401
-from parallel_state.topology.dispatch_cost import AttentionShape, CostRates, Transport  # noqa: F401
-from parallel_state.topology.dispatch_plan import DispatchPlan, Layout, plan_dispatch, plan_dual_chunk_swap  # noqa: F401
+from parallel_state.topology.dispatch_cost import AttentionShape, CostRates  # noqa: F401
+from parallel_state.topology.dispatch_layout import Layout, Transport  # noqa: F401
+from parallel_state.topology.dispatch_plan import DispatchPlan, plan_dispatch, plan_dual_chunk_swap  # noqa: F401
 from parallel_state.topology.init_arguments import InitArguments  # noqa: F401
-from parallel_state.topology.plan import (  # noqa: F401
-    DEFAULT_ORDER,
-    TopologyPlan,
-    default_embedding_ranks,
-    default_position_embedding_ranks,
-)
+from parallel_state.topology.kinds import default_embedding_ranks, default_position_embedding_ranks  # noqa: F401
+from parallel_state.topology.plan import DEFAULT_ORDER, TopologyPlan  # noqa: F401
 from parallel_state.topology.rank_generator import RankGenerator, generate_masked_orthogonal_rank_groups  # noqa: F401
 from parallel_state.topology.releases import in_use as megatron_release  # noqa: F401
 from parallel_state.topology.sample_plan import Placement, SamplePlan, plan_samples  # noqa: F401
+
+# The base of every closed set of names, parallel_state's and cp's (a member is its str value).
+from parallel_state.topology.str_enum import StrEnum  # noqa: F401
 
 
 def __getattr__(name: str) -> object:

@@ -30,7 +30,7 @@ import cp as _cp
 import scheduler as _scheduler
 from parallel_state.megatron import accessors as _acc
 from parallel_state.megatron import cp_size_t as _split
-from parallel_state.megatron import initialize as _init
+from parallel_state.megatron import generated_initialize as _init
 from parallel_state.megatron.initialize import destroy_model_parallel
 from parallel_state.runtime.dist_init import dist_init, is_last_rank, is_last_tp_cp_rank
 from parallel_state.runtime.dtensor import (

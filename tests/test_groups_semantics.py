@@ -185,7 +185,7 @@ def _timeout_of(group):
 def case_settings():
     import torch.distributed as dist
 
-    from parallel_state.groups.kinds import row
+    from parallel_state.topology.kinds import row
 
     ps.initialize_model_parallel(context_parallel_size=2, pipeline_model_parallel_size=2,
                                  timeout=datetime.timedelta(seconds=41))

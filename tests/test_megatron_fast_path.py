@@ -1,4 +1,4 @@
-"""The accessors' fast path (``megatron/accessors.py``, written from ``accessor_keys``' rules): every flag
+"""The accessors' fast path (``megatron/generated_accessors.py``, written from ``accessor_keys``' rules): every flag
 combination reads its rule's answer from a global; an absent answer, or any other argument, goes to ``answer``."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import itertools
 import pytest
 
 from parallel_state.groups import state as _st
-from parallel_state.megatron import accessor_keys, accessors, answers
+from parallel_state.megatron import accessor_keys, accessors, answers, generated_accessors
 from parallel_state.megatron.accessor_keys import RULES, answer
 
 
@@ -50,8 +50,8 @@ def test_every_flag_combination_reads_its_rules_answer_from_a_global():
         answers.ANSWERS.clear()  # the globals stay: only the fast path can answer now
         for (name, combination), want in expected.items():
             assert _outcome(getattr(accessors, name), **dict(combination)) == want, (name, combination)
-        assert accessors._TP_CP_GROUP == "<tp-cp.group>"
-    assert "_TP_CP_GROUP" not in vars(accessors)  # no answer: no global
+        assert generated_accessors._TP_CP_GROUP == "<tp-cp.group>"
+    assert "_TP_CP_GROUP" not in vars(generated_accessors)  # no answer: no global
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from parallel_state import ParallelStateAssertionError, ParallelStateError, TopologyPlan
-from parallel_state.topology.kinds import Layout
+from parallel_state.topology.kinds import GridLayout as Layout
 from parallel_state.topology.plan import GridKind
 
 ORDERS = ["tp-cp-ep-dp-pp", "tp-pp-dp", "tp-cp-pp-dp", "pp-dp-tp-cp", "dp-cp-tp-pp", "cp-tp-dp-pp",

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
-from parallel_state.groups.kinds import Flavor
+from parallel_state.groups.flavor import Flavor
 from parallel_state.topology.arguments import optional_positive_int
 
 

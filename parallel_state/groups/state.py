@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
 from parallel_state.groups import group_cache
-from parallel_state.groups.kinds import Flavor
+from parallel_state.groups.flavor import Flavor
 from parallel_state.groups.options import BuildOptions
 from parallel_state.topology.arguments import non_negative_int, positive_int
 from parallel_state.topology.kinds import PP

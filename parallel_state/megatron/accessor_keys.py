@@ -5,7 +5,7 @@ and for most accessors which one depends only on their flags. A :class:`Rule` is
 a function of the accessor's arguments (each a flag, checked to be a bool before it is called) that
 returns the answer's key, with the accessor's docstring, its return annotation and what it returns
 where the answer is absent. The accessors themselves are written from these rules and the release
-table by ``python -m parallel_state.tools.generate`` (``accessors.py``): a plain def with the
+table by ``python -m parallel_state.tools.generate`` (``generated_accessors.py``): a plain def with the
 parameters of the release in use, which tests its flags, returns the variable holding the answer
 for their values (one global read), and otherwise calls :func:`answer`, which checks the arguments
 and looks the rule's key up, or explains why there is no answer.
@@ -83,7 +83,7 @@ class Rule:
     deprecated: str | None = None
 
 
-#: Every accessor with a rule, by name, in the order ``accessors.py`` defines them.
+#: Every accessor with a rule, by name, in the order ``generated_accessors.py`` defines them.
 RULES: dict[str, Rule] = {}
 
 

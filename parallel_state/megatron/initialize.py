@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from parallel_state.errors import ParallelStateAssertionError, ParallelStateError, ParallelStateTypeError
 from parallel_state.groups import state as _st
 from parallel_state.groups.nccl import NcclSettings
 from parallel_state.groups.options import BuildOptions
-from parallel_state.topology import releases
 from parallel_state.topology.init_arguments import LOCAL, InitArguments
 from parallel_state.topology.kinds import DP_CP_AG, EDP_AG, EMBD, POS_EMBD
 from parallel_state.topology.plan import TopologyPlan
 
-#: ``initialize_model_parallel``'s docstring, whichever release's def is the one in use.
+#: ``initialize_model_parallel``'s docstring, whichever release's def is the one in use. Its defs, one per
+#: distinct parameter list of the releases (the release in use's, then every other release's, the MAGI-1 /
+#: WorldFoundry aliases and parallel_state's own, keyword-only: ``InitArguments``' fields), are generated:
+#: ``generated_initialize``; each hands its arguments to :func:`initialize`.
 DOC = """Build this rank's model-parallel groups, laid out exactly as megatron-core lays them out.
 
     Takes the keywords of every megatron-core release from 0.16 to 0.19, and its positional
@@ -33,109 +35,8 @@ DOC = """Build this rank's model-parallel groups, laid out exactly as megatron-c
     range it builds nothing.
 """
 
-# initialize_model_parallel takes the release in use's parameters, then every other release's, the MAGI-1 /
-# WorldFoundry aliases and parallel_state's own, keyword-only (``InitArguments``' fields).
-# <generated: initialize-model-parallel> by `python -m parallel_state.tools.generate` from the release table
-if releases.in_use() == "0.16":
-    def initialize_model_parallel(
-        tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-        virtual_pipeline_model_parallel_size: int | None = None, pipeline_model_parallel_comm_backend: str | None = None,
-        use_sharp: bool = False, context_parallel_size: int = 1,
-        hierarchical_context_parallel_sizes: Sequence[int] | None = None, hybrid_context_parallel: bool = False,
-        expert_model_parallel_size: int = 1, num_distributed_optimizer_instances: int = 1,
-        expert_tensor_parallel_size: int | None = None, nccl_communicator_config_path: str | None = None,
-        distributed_timeout_minutes: int = 30, order: str = "tp-cp-ep-dp-pp",
-        get_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
-        get_position_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
-        create_gloo_process_groups: bool = True, high_priority_stream_groups: Sequence[str] | None = None,
-        sharp_enabled_group: str | None = None, create_all_gather_group: bool | None = False, *, gtp_remat_size: int = 1,
-        expert_gtp_remat_size: int = 1, rank_offset: int = 0, local_world_size: int | None = None,
-        tp_size: int | None = None, cp_size: int | None = None, pp_size: int | None = None,
-        timeout: datetime.timedelta | None = None, check_consistency: bool = True, ranks: Sequence[int] | None = None,
-    ) -> None:
-        _initialize(InitArguments.from_call(locals()))  # locals(): the call's arguments, by name
-elif releases.in_use() == "0.17":
-    def initialize_model_parallel(
-        tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-        virtual_pipeline_model_parallel_size: int | None = None, pipeline_model_parallel_comm_backend: str | None = None,
-        use_sharp: bool = False, context_parallel_size: int = 1,
-        hierarchical_context_parallel_sizes: Sequence[int] | None = None, hybrid_context_parallel: bool = False,
-        expert_model_parallel_size: int = 1, num_distributed_optimizer_instances: int = 1,
-        expert_tensor_parallel_size: int | None = None, nccl_communicator_config_path: str | None = None,
-        distributed_timeout_minutes: int = 30, order: str = "tp-cp-ep-dp-pp",
-        get_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
-        get_position_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
-        create_gloo_process_groups: bool = True, high_priority_stream_groups: Sequence[str] | None = None,
-        sharp_enabled_group: str | None = None, create_all_gather_group: bool | None = False, rank_offset: int = 0,
-        local_world_size: int | None = None, *, gtp_remat_size: int = 1, expert_gtp_remat_size: int = 1,
-        tp_size: int | None = None, cp_size: int | None = None, pp_size: int | None = None,
-        timeout: datetime.timedelta | None = None, check_consistency: bool = True, ranks: Sequence[int] | None = None,
-    ) -> None:
-        _initialize(InitArguments.from_call(locals()))  # locals(): the call's arguments, by name
-elif releases.in_use() == "0.18":
-    def initialize_model_parallel(
-        tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-        virtual_pipeline_model_parallel_size: int | None = None, pipeline_model_parallel_comm_backend: str | None = None,
-        use_sharp: bool = False, context_parallel_size: int = 1,
-        hierarchical_context_parallel_sizes: Sequence[int] | None = None, hybrid_context_parallel: bool = False,
-        expert_model_parallel_size: int = 1, num_distributed_optimizer_instances: int = 1,
-        expert_tensor_parallel_size: int | None = None, nccl_communicator_config_path: str | None = None,
-        distributed_timeout_minutes: int = 30, order: str = "tp-cp-ep-dp-pp",
-        get_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
-        get_position_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
-        create_gloo_process_groups: bool = True, high_priority_stream_groups: Sequence[str] | None = None,
-        sharp_enabled_group: str | None = None, rank_offset: int = 0, local_world_size: int | None = None, *,
-        gtp_remat_size: int = 1, expert_gtp_remat_size: int = 1, create_all_gather_group: bool | None = False,
-        tp_size: int | None = None, cp_size: int | None = None, pp_size: int | None = None,
-        timeout: datetime.timedelta | None = None, check_consistency: bool = True, ranks: Sequence[int] | None = None,
-    ) -> None:
-        _initialize(InitArguments.from_call(locals()))  # locals(): the call's arguments, by name
-elif releases.in_use() == "0.19":
-    def initialize_model_parallel(
-        tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-        virtual_pipeline_model_parallel_size: int | None = None, pipeline_model_parallel_comm_backend: str | None = None,
-        use_sharp: bool = False, context_parallel_size: int = 1,
-        hierarchical_context_parallel_sizes: Sequence[int] | None = None, hybrid_context_parallel: bool = False,
-        expert_model_parallel_size: int = 1, gtp_remat_size: int = 1, expert_gtp_remat_size: int = 1,
-        num_distributed_optimizer_instances: int = 1, expert_tensor_parallel_size: int | None = None,
-        nccl_communicator_config_path: str | None = None, distributed_timeout_minutes: int = 30,
-        order: str = "tp-cp-ep-dp-pp", get_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
-        get_position_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
-        create_gloo_process_groups: bool = True, high_priority_stream_groups: Sequence[str] | None = None,
-        sharp_enabled_group: str | None = None, rank_offset: int = 0, local_world_size: int | None = None, *,
-        create_all_gather_group: bool | None = False, tp_size: int | None = None, cp_size: int | None = None,
-        pp_size: int | None = None, timeout: datetime.timedelta | None = None, check_consistency: bool = True,
-        ranks: Sequence[int] | None = None,
-    ) -> None:
-        _initialize(InitArguments.from_call(locals()))  # locals(): the call's arguments, by name
-else:  # any release parallel_state does not know
-    def initialize_model_parallel(
-        tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-        virtual_pipeline_model_parallel_size: int | None = None, pipeline_model_parallel_comm_backend: str | None = None,
-        use_sharp: bool = False, context_parallel_size: int = 1,
-        hierarchical_context_parallel_sizes: Sequence[int] | None = None, hybrid_context_parallel: bool = False,
-        expert_model_parallel_size: int = 1, *beyond, gtp_remat_size: int = 1, expert_gtp_remat_size: int = 1,
-        num_distributed_optimizer_instances: int = 1, expert_tensor_parallel_size: int | None = None,
-        nccl_communicator_config_path: str | None = None, distributed_timeout_minutes: int = 30,
-        order: str = "tp-cp-ep-dp-pp", get_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
-        get_position_embedding_ranks: Callable[[list[int], int | None], list[int]] | None = None,
-        create_gloo_process_groups: bool = True, high_priority_stream_groups: Sequence[str] | None = None,
-        sharp_enabled_group: str | None = None, create_all_gather_group: bool | None = False, rank_offset: int = 0,
-        local_world_size: int | None = None, tp_size: int | None = None, cp_size: int | None = None,
-        pp_size: int | None = None, timeout: datetime.timedelta | None = None, check_consistency: bool = True,
-        ranks: Sequence[int] | None = None,
-    ) -> None:
-        if beyond:
-            releases.refuse("initialize_model_parallel()", 9, len(beyond))
-        del beyond  # empty
-        _initialize(InitArguments.from_call(locals()))  # locals(): the call's arguments, by name
-
-
-initialize_model_parallel.__doc__ = DOC  # one docstring for every release's def
-# </generated: initialize-model-parallel>
-
-
-def _initialize(args: InitArguments) -> None:
+def initialize(args: InitArguments) -> None:
+    """Build the groups ``args`` describe: what every generated ``initialize_model_parallel`` def calls."""
     import torch.distributed as dist
 
     from parallel_state.topology import arguments as a

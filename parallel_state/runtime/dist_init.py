@@ -138,7 +138,8 @@ def dist_init(
     import torch.distributed as dist
 
     from parallel_state.groups.consistency import check_same_everywhere
-    from parallel_state.megatron.initialize import destroy_model_parallel, initialize_model_parallel
+    from parallel_state.megatron.generated_initialize import initialize_model_parallel
+    from parallel_state.megatron.initialize import destroy_model_parallel
     from parallel_state.runtime.launch import detect_launch
     from parallel_state.runtime.log import print_rank_0
     from parallel_state.runtime.manager import check_backend_available, local_cuda_device

@@ -38,7 +38,7 @@ from parallel_state.tools.plan_report import (  # noqa: F401  (re-exported: the 
 )
 from parallel_state.topology.cp_plan import ContextParallelPlan, plan_context_parallel
 from parallel_state.topology.dispatch_cost import CostRates
-from parallel_state.topology.dispatch_plan import Layout
+from parallel_state.topology.dispatch_layout import Layout
 from parallel_state.topology.kinds import BY_NAME
 from parallel_state.topology.plan import DEFAULT_ORDER, TopologyPlan
 

@@ -5,17 +5,21 @@ Some of parallel_state's source is a function of a table: the parameters of
 releases (``topology/release_table.py``), the accessors follow their rules
 (``megatron/accessor_keys.py``), ``ProcessGroupCollection``'s fields follow the kind rows. That
 source is written by this command, not by hand, and checked in, so that what runs is what a reader,
-grep and a type checker see: nothing is made from text at import. Each piece is a region of a
-module between two marker lines::
+grep and a type checker see: nothing is made from text at import. Each piece is a region between two
+marker lines::
 
     # <generated: NAME> ...
     ...
     # </generated: NAME>
 
-This command rewrites every region from its table (``--check``: only says which are stale, exit
-status 1 if any); ``tests/test_tools_generate.py`` fails while one is. Where a function's
-parameters differ between releases, the region defines it once per distinct parameter list, under
-``if releases.in_use() ...``: the def of the release in use is the one Python runs.
+A region of more than a few lines is a module of its own, written whole by this command: its
+docstring says so, then its imports, the region and its ``__all__`` (``megatron/generated_accessors.py``,
+``megatron/generated_initialize.py``); the short ones (a dataclass's fields, one ``__init__``) are a region
+of the hand-written module they belong to. This command rewrites every region and every generated module
+from its table (``--check``: only says which are stale, exit status 1 if any);
+``tests/test_tools_generate.py`` fails while one is. Where a function's parameters differ between
+releases, the region defines it once per distinct parameter list, under ``if releases.in_use() ...``:
+the def of the release in use is the one Python runs.
 
 The command imports ``parallel_state``, so the package must import before it runs: where a new rule
 replaces an accessor written by hand, keep the hand-written def until the region holds the new one.
@@ -207,11 +211,27 @@ def initialize_model_parallel() -> list[str]:
                      f'        releases.refuse("initialize_model_parallel()", {len(params.positional)}, '
                      f"len({params.beyond}))",
                      f"    del {params.beyond}  # empty"]
-        body.append("    _initialize(InitArguments.from_call(locals()))  # locals(): the call's arguments, by name")
+        body.append("    initialize(InitArguments.from_call(locals()))  # locals(): the call's arguments, by name")
         return [*def_line("initialize_model_parallel", params.text(), "None"), *body]
 
     return [*by_release(render, ""), "", "",
             "initialize_model_parallel.__doc__ = DOC  # one docstring for every release's def"]
+
+
+INITIALIZE_HEAD = '''"""``initialize_model_parallel``: one def per distinct parameter list of the megatron-core releases, the
+release in use's the one Python runs. Its docstring and what it does are ``megatron/initialize.py``'s (``DOC``,
+``initialize``): each def hands its arguments, by name, to ``InitArguments.from_call``.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Callable, Sequence
+
+from parallel_state.megatron.initialize import DOC, initialize
+from parallel_state.topology import releases
+from parallel_state.topology.init_arguments import InitArguments
+'''
 
 
 def pg_collection_fields() -> list[str]:
@@ -227,7 +247,7 @@ def _variable(key: str) -> str:
 
 
 def key_source(key: str) -> str:
-    """The source of answer ``key`` as ``accessors.py`` writes it: its constant in ``answer_keys``, or its
+    """The source of answer ``key`` as ``generated_accessors.py`` writes it: its constant in ``answer_keys``, or its
     kind's constant in ``kinds`` and its fact (``kinds.TP_DP.key(Fact.GROUP)``): made by ``key`` at import."""
     from parallel_state.topology import answer_keys, kinds
 
@@ -301,25 +321,65 @@ def accessors() -> list[str]:
     defs: list[str] = []
     for name, rule in RULES.items():
         defs += ["", "", *by_release(lambda release, n=name, r=rule: render_one(n, r, release), "")]
-    head = ["#: Each global an accessor reads on its fast path, and the key of the answer it holds (``_refresh``",
-            "#: sets them).",
+    head = ["#: Each global an accessor reads on its fast path, and the key of the answer it holds (``accessors._refresh``",
+            "#: sets them here).",
             "VARIABLES: dict[str, AnswerKey] = {"]
     head += [f"    {literal('variable', v)}: {key_source(k)}," for v, k in variables.items()]
     return [*head, "}", *defs]
 
 
+ACCESSORS_HEAD = '''"""megatron-core's accessors that return what their rule (``accessor_keys.RULES``) names for their flags,
+one def per distinct parameter list of the releases: how they answer, and why so, is ``megatron/accessors.py``'s
+docstring (the fast path: a global of this module; a NameError sends the call to ``accessor_keys.answer``).
+``accessors`` re-exports them, sets and removes their globals (``_refresh``) and holds the accessors written by hand.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from parallel_state.megatron.accessor_keys import answer
+from parallel_state.topology import answer_keys, kinds, releases
+from parallel_state.topology.answer_keys import AnswerKey, Fact
+'''
+
+
 @dataclass(frozen=True)
 class Region:
+    """A generated region: the module holding it, what writes it and, for a module written whole, the text
+    before the region (its docstring and imports) and its ``__all__`` (the names the module exports)."""
+
     path: str
     render: Callable[[], list[str]]
+    head: str | None = None
+    exports: Callable[[], list[str]] | None = None
+
+    def module(self, name: str) -> str:
+        """The whole text of a generated module (``head`` set): head, the region between its markers, ``__all__``."""
+        body = "".join(f"{line}\n" for line in self.render())
+        names = "".join(f"    {literal('name', n)},\n" for n in sorted(self.exports())) if self.exports else ""
+        return (f"{GENERATED_BY}\n{self.head}\n# <generated: {name}> by `python -m parallel_state.tools.generate`\n"
+                f"{body}# </generated: {name}>\n\n__all__ = [\n{names}]\n")
+
+
+#: The first line of every module this command writes whole.
+GENERATED_BY = "# Generated by `python -m parallel_state.tools.generate`: edit its tables, not this file, and run it."
+
+
+def _accessor_names() -> list[str]:
+    from parallel_state.megatron.accessor_keys import RULES
+
+    return ["VARIABLES", *RULES]
 
 
 #: Every region by name: the module holding it and what writes it.
 REGIONS: dict[str, Region] = {
     "init-arguments": Region("parallel_state/topology/init_arguments.py", init_arguments_fields),
     "rank-generator": Region("parallel_state/topology/rank_generator.py", rank_generator_init),
-    "initialize-model-parallel": Region("parallel_state/megatron/initialize.py", initialize_model_parallel),
-    "accessors": Region("parallel_state/megatron/accessors.py", accessors),
+    "initialize-model-parallel": Region("parallel_state/megatron/generated_initialize.py", initialize_model_parallel,
+                                        INITIALIZE_HEAD, lambda: ["initialize_model_parallel"]),
+    "accessors": Region("parallel_state/megatron/generated_accessors.py", accessors, ACCESSORS_HEAD, _accessor_names),
     "pg-collection": Region("parallel_state/megatron/pg_collection.py", pg_collection_fields),
 }
 
@@ -348,13 +408,22 @@ def _rewritten(text: str, path: str, names: dict[str, Region]) -> tuple[str, lis
 
 
 def generate(write: bool = True) -> list[str]:
-    """Rewrite every region (``write`` False: only compare); the names of the regions that were stale."""
+    """Rewrite every region and generated module (``write`` False: only compare); the names of those that were
+    stale."""
     stale: list[str] = []
     for path in sorted({r.path for r in REGIONS.values()}):
         full = os.path.join(ROOT, path)
-        with open(full, encoding="utf-8") as f:
-            text = f.read()
-        new, changed = _rewritten(text, path, {n: r for n, r in REGIONS.items() if r.path == path})
+        text = ""
+        if os.path.exists(full):
+            with open(full, encoding="utf-8") as f:
+                text = f.read()
+        here = {n: r for n, r in REGIONS.items() if r.path == path}
+        whole = [n for n, r in here.items() if r.head is not None]
+        if whole:  # a generated module: one region, the whole file compared
+            new = here[whole[0]].module(whole[0])
+            changed = whole if new != text else []
+        else:
+            new, changed = _rewritten(text, path, here)
         stale += changed
         if write and new != text:
             with open(full, "w", encoding="utf-8") as f:

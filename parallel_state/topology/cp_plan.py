@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from parallel_state.topology.attention_mask import AttentionMask
-from parallel_state.topology.dispatch_cost import TRANSPORTS, AttentionShape, CostRates, Transport, received
+from parallel_state.topology.dispatch_cost import AttentionShape, CostRates, received
 from parallel_state.topology.dispatch_cost import itemsize as _itemsize
-from parallel_state.topology.dispatch_plan import DispatchPlan, Layout, plan_dispatch
+from parallel_state.topology.dispatch_layout import TRANSPORTS, Layout, Transport
+from parallel_state.topology.dispatch_plan import DispatchPlan, plan_dispatch
 from parallel_state.topology.shards import shard_sizes
 from parallel_state.topology.split import Latent, _int, check_latent, grid_split
 from parallel_state.topology.str_enum import one_of

@@ -46,23 +46,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from parallel_state.errors import ParallelStateTypeError, ParallelStateValueError
 from parallel_state.topology.attention_mask import as_int
-from parallel_state.topology.str_enum import StrEnum
+from parallel_state.topology.dispatch_layout import TRANSPORTS, Layout, Runs, Transport, merged
 
 if TYPE_CHECKING:
     from parallel_state.topology.attention_mask import AttentionMask
-    from parallel_state.topology.dispatch_plan import Layout
-
-
-class Transport(StrEnum):
-    """How K/V reach the ranks that need them (see the module doc), in the order ties are broken."""
-
-    P2P = "p2p"
-    ALLGATHER = "allgather"
-    RING = "ring"
-
-
-#: Every transport, in the order ties are broken (``in`` takes their strings too).
-TRANSPORTS = tuple(Transport)
 
 #: Bytes per element of the dtypes a plan is usually sized for, by name (a torch.dtype works too).
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -70,8 +57,6 @@ ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m
 #: FLOPs of one allowed (query, key) pair of one head, per head-dim element: QK^T and PV forward (4);
 #: with backward 2.5 times that again (recomputed scores, dV, dP, dQ, dK), 14 in all.
 FLOPS_FORWARD, FLOPS_TRAINING = 4, 14
-
-Runs = tuple[tuple[int, int], ...]
 
 
 def itemsize(what: str, dtype: Any) -> int:
@@ -207,16 +192,6 @@ class Candidate:
                 f"comm {self.comm_ms:.3g}, work max/mean {self.balance:.3f})")
 
 
-def _merged(runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for start, stop in sorted(runs):
-        if out and out[-1][1] >= start:
-            out[-1] = (out[-1][0], max(out[-1][1], stop))
-        else:
-            out.append((start, stop))
-    return out
-
-
 def needs(mask: AttentionMask, length: int, blocks: Sequence[Sequence[tuple[int, int]]]) -> list[list[int]]:
     """``needs[j][i]``: tokens of block i that some query of block j may see (the mask's cover of j's queries).
 
@@ -231,14 +206,14 @@ def _needs(mask: AttentionMask, length: int, blocks: tuple[tuple[tuple[int, int]
            ) -> tuple[tuple[int, ...], ...]:
     import torch
 
-    runs = [_merged(b) for b in blocks]
+    runs = [merged(b) for b in blocks]
     ends = torch.tensor([p for b in runs for start, stop in b for p in (start, stop - 1)], dtype=torch.int64)
     lo, hi = (t.tolist() for t in mask.key_range(ends, length))
     owned = sorted((start, stop, i) for i, b in enumerate(runs) for start, stop in b)
     starts = [o[0] for o in owned]
     out, at = [], 0
     for b in runs:
-        cover = _merged([(lo[at + 2 * k], hi[at + 2 * k + 1]) for k in range(len(b))])
+        cover = merged([(lo[at + 2 * k], hi[at + 2 * k + 1]) for k in range(len(b))])
         at += 2 * len(b)
         row = [0] * len(runs)
         for x, y in cover:

@@ -50,32 +50,15 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from parallel_state.errors import ParallelStateTypeError, ParallelStateValueError
 from parallel_state.topology.attention_mask import AttentionMask, MaskKind, as_int
-from parallel_state.topology.dispatch_cost import (
-    TRANSPORTS,
-    AttentionShape,
-    Candidate,
-    CostRates,
-    Transport,
-    checked,
-    predict,
-)
+from parallel_state.topology.dispatch_cost import AttentionShape, Candidate, CostRates, checked, predict
+from parallel_state.topology.dispatch_layout import TRANSPORTS, Layout, Runs, Transport, merged
 from parallel_state.topology.shards import shard_sizes
-from parallel_state.topology.str_enum import StrEnum, one_of
+from parallel_state.topology.str_enum import one_of
 
 if TYPE_CHECKING:
     import torch
 
 
-
-class Layout(StrEnum):
-    """Which tokens each rank holds: ``plan_dispatch``'s layouts (module doc) and the fixed one of megatron-core and
-    Transformer Engine (``plan_dual_chunk_swap``). A member equals its string: ``method="balanced"`` names
-    ``Layout.BALANCED``."""
-
-    BALANCED = "balanced"
-    CONTIGUOUS = "contiguous"
-    CLIPS = "clips"
-    DUAL_CHUNK_SWAP = "dual_chunk_swap"
 
 
 #: The layouts ``plan_dispatch`` makes; it also takes "auto" (the cost model's choice among them: a request, not a
@@ -90,8 +73,6 @@ ORDER = (Layout.CONTIGUOUS, Layout.CLIPS, Layout.BALANCED)
 MARGIN = 0.10
 #: The clip plan keeps a rank within this many times the even share of tokens where the clips allow.
 TOKEN_SKEW = 1.25
-
-Runs = tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -425,7 +406,7 @@ def _dual_chunk_swap(mask: AttentionMask, length: int, cp_size: int, bounds: tup
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             chunk = (b - a) // parts
             mine += [(a + r * chunk, a + (r + 1) * chunk), (a + (parts - 1 - r) * chunk, a + (parts - r) * chunk)]
-        runs.append(_merge(mine))
+        runs.append(merged(mine))
     if any(not rank for rank in runs):
         raise ParallelStateValueError(f"plan_dual_chunk_swap: {length} tokens leave a rank of {cp_size} with none; "
                                       f"use a smaller cp_size")
@@ -497,7 +478,7 @@ def _clips(mask: AttentionMask, length: int, cp_size: int, prefix_tensor: torch.
         current = min(trials, key=lambda tr: (tr[0][0], sum(tr[1])))  # taken even if no better: a way out
         if current[0][0] < best[0][0]:
             best = current
-    return tuple(_merge(runs) for runs in best[0][1])
+    return tuple(merged(runs) for runs in best[0][1])
 
 
 def _pieces(mask: AttentionMask, length: int, cp_size: int, prefix: torch.Tensor) -> list[tuple[int, int]]:
@@ -561,18 +542,8 @@ def _zigzag(mask: AttentionMask, length: int, sizes: tuple[int, ...], prefix: to
         ranges.append(real(lo, lo + take) + real(hi - n + take, hi))
         lo, hi = lo + take, hi - n + take
     ranges.append(real(lo, hi))
-    return tuple(_merge(r) for r in ranges)
+    return tuple(merged(r) for r in ranges)
 
-
-def _merge(runs: list[tuple[int, int]]) -> Runs:
-    """Sorted, with touching runs joined."""
-    out: list[tuple[int, int]] = []
-    for start, stop in sorted(r for r in runs if r[1] > r[0]):
-        if out and out[-1][1] == start:
-            out[-1] = (out[-1][0], stop)
-        else:
-            out.append((start, stop))
-    return tuple(out)
 
 
 __all__ = ["LAYOUTS", "MARGIN", "METHODS", "ORDER", "AttentionShape", "CostRates", "DispatchPlan", "Layout", "Transport",

@@ -33,15 +33,47 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Final, Iterator, NamedTuple
+from typing import Any, Callable, Final, Iterator, NamedTuple, Protocol, Sequence
 
-from parallel_state.errors import ParallelStateError
+from parallel_state.errors import ParallelStateError, ParallelStateTypeError
 from parallel_state.topology.answer_keys import AnswerKey, Fact, key
 from parallel_state.topology.grid import Dim, Grid
+from parallel_state.topology.rank_map import RankMap
 from parallel_state.topology.str_enum import StrEnum
 
-if TYPE_CHECKING:  # plan.py imports this module: the plan is named here for annotations only
-    from parallel_state.topology.plan import TopologyPlan
+
+class Plan(Protocol):
+    """What a kind reads of the plan it answers for: ``plan.TopologyPlan`` is one (that module imports this
+    one, so the kinds name the plan by what they read of it, never by its class)."""
+
+    world_size: int
+    cp: int
+    pp: int
+    ep: int
+    dist_opt_instances: int
+    hierarchical_cp: tuple[int, ...] | None
+    hybrid_cp: bool
+    all_gather: bool
+    expert_all_gather: bool
+    embedding_ranks: Callable[..., Any] | None
+    position_embedding_ranks: Callable[..., Any] | None
+    decoder: Grid
+    expert: Grid
+    rank_map: RankMap
+
+    @property
+    def dp(self) -> int: ...
+    @property
+    def edp(self) -> int: ...
+    @property
+    def all_ranks(self) -> tuple[int, ...]: ...
+    def kind(self, name: str) -> Kind: ...
+    def group_ranks(self, kind: str, rank: int) -> tuple[int, ...]: ...
+    def group_size(self, kind: str, rank: int = 0) -> int: ...
+    def num_groups(self, kind: str) -> int: ...
+    def group_index(self, kind: str, rank: int) -> int: ...
+    def groups(self, kind: str) -> Iterator[tuple[int, ...]]: ...
+    def signature(self, kind: str) -> Any: ...
 
 
 class Field(NamedTuple):
@@ -53,8 +85,9 @@ class Field(NamedTuple):
     since: str = "0.16"
 
 
-class Layout(StrEnum):
-    """The rank layout a grid kind's dimensions belong to."""
+class GridLayout(StrEnum):
+    """The grid a grid kind's dimensions belong to: the decoder's or the expert's (``TopologyPlan.decoder``,
+    ``.expert``). Not a dispatch plan's token ``Layout`` (``ps.Layout``, ``topology.dispatch_layout``)."""
 
     DECODER = "decoder"
     EXPERT = "expert"
@@ -119,14 +152,14 @@ class Kind:
     #: megatron-core's value of its global while nothing is initialized, as a factory (None: None).
     empty: Callable[[], Any] | None = None
     #: The plan has the kind only where this holds (None: always).
-    when: Callable[[TopologyPlan], bool] | None = None
+    when: Callable[[Plan], bool] | None = None
     #: A numbered kind's family (``hcp``, ``hybrid``) and number (level, block size).
     family: str = ""
     number: int = 0
     # The shape's parameters, each read by its own shape only: the kinds are one dataclass, since a
     # dataclass per shape made importing this module cost 15 ms more (its generated methods).
     #: GridKind: the layout and its dimensions.
-    layout: Layout = Layout.DECODER
+    layout: GridLayout = GridLayout.DECODER
     dims: tuple[Dim, ...] = ()
     #: Parts of another kind's groups (SplitKind, BlockKind): that kind.
     base: str = ""
@@ -170,8 +203,8 @@ class Kind:
         for name, value, cls in (("zero_without", self.zero_without, Zero), ("which", self.which, Pick)):
             if value is not None and not isinstance(value, cls):
                 raise TypeError(f"kind {self.name!r}: {name} is a {cls.__name__} or None, got {value!r}")
-        if not isinstance(self.layout, Layout):
-            raise TypeError(f"kind {self.name!r}: layout is a Layout, got {self.layout!r}")
+        if not isinstance(self.layout, GridLayout):
+            raise TypeError(f"kind {self.name!r}: layout is a GridLayout, got {self.layout!r}")
         if self.gloo and not (megatron and gloo_label):
             raise TypeError(f"kind {self.name!r}: a gloo twin needs megatron-core's global and group_desc")
 
@@ -189,47 +222,47 @@ class Kind:
         """Whether a rank's group may not exist (its collection field then holds None)."""
         return self.when is not None or not self.everyone
 
-    def bind(self, plan: TopologyPlan) -> Iterator[Kind]:
+    def bind(self, plan: Plan) -> Iterator[Kind]:
         """The kinds this row gives ``plan``: itself where the plan has it, with the plan's numbers."""
         if self.when is None or self.when(plan):
             yield self
 
-    def expert(self, plan: TopologyPlan) -> bool:
+    def expert(self, plan: Plan) -> bool:
         """Whether the kind belongs to the expert layout."""
         return False
 
-    def ranks(self, plan: TopologyPlan, rank: int) -> tuple[int, ...]:
+    def ranks(self, plan: Plan, rank: int) -> tuple[int, ...]:
         """Global ranks of the group holding ``rank`` (empty when it is in none)."""
         raise NotImplementedError(f"{type(self).__name__} has no ranks rule")
 
-    def position(self, plan: TopologyPlan, rank: int, members: tuple[int, ...] | None = None) -> int:
+    def position(self, plan: Plan, rank: int, members: tuple[int, ...] | None = None) -> int:
         """Index of ``rank`` in its group as :meth:`ranks` lists it (``members``: that group, if known)."""
         return (self.ranks(plan, rank) if members is None else members).index(rank)
 
-    def rank(self, plan: TopologyPlan, rank: int, members: tuple[int, ...] | None = None) -> int:
+    def rank(self, plan: Plan, rank: int, members: tuple[int, ...] | None = None) -> int:
         """Index of ``rank`` in its group as torch numbers it (by global rank); ``members``: its group, if known."""
         members = self.ranks(plan, rank) if members is None else members
         if rank not in members:
             raise ParallelStateError(f"rank {rank} is in no {self.name} group")
         return sorted(members).index(rank)
 
-    def size(self, plan: TopologyPlan, rank: int) -> int:
+    def size(self, plan: Plan, rank: int) -> int:
         """Number of ranks in the group holding ``rank``."""
         return len(self.ranks(plan, rank))
 
-    def count(self, plan: TopologyPlan) -> int:
+    def count(self, plan: Plan) -> int:
         """Number of groups of the kind in the world."""
         raise NotImplementedError(f"{type(self).__name__} has no count rule")
 
-    def index(self, plan: TopologyPlan, rank: int) -> int:
+    def index(self, plan: Plan, rank: int) -> int:
         """Index of ``rank``'s group among the kind's groups: the same on every member."""
         raise NotImplementedError(f"{type(self).__name__} has no index rule")
 
-    def groups(self, plan: TopologyPlan) -> Iterator[tuple[int, ...]]:
+    def groups(self, plan: Plan) -> Iterator[tuple[int, ...]]:
         """Every group of the kind, in megatron-core's creation order (O(world size))."""
         raise NotImplementedError(f"{type(self).__name__} has no groups rule")
 
-    def signature(self, plan: TopologyPlan) -> Any:
+    def signature(self, plan: Plan) -> Any:
         """Equal signatures mean equal groups on every rank (one group serves both kinds)."""
         raise NotImplementedError(f"{type(self).__name__} has no signature rule")
 
@@ -239,55 +272,55 @@ class GridKind(Kind):
 
     ascending = True
 
-    def bind(self, plan: TopologyPlan) -> Iterator[Kind]:
+    def bind(self, plan: Plan) -> Iterator[Kind]:
         # Where the expert layout is the decoder's (no expert parallelism, an order megatron-core
         # refuses), the expert data-parallel groups take the context-parallel ranks in too.
         for kind in super().bind(plan):
-            if (self.layout is Layout.EXPERT and plan.expert is plan.decoder and Dim.DP in self.dims
+            if (self.layout is GridLayout.EXPERT and plan.expert is plan.decoder and Dim.DP in self.dims
                     and Dim.CP not in self.dims):
                 kind = dataclasses.replace(self, dims=(*self.dims, Dim.CP))
             yield kind
 
-    def _grid(self, plan: TopologyPlan) -> Grid:
-        return plan.decoder if self.layout is Layout.DECODER else plan.expert
+    def _grid(self, plan: Plan) -> Grid:
+        return plan.decoder if self.layout is GridLayout.DECODER else plan.expert
 
-    def expert(self, plan: TopologyPlan) -> bool:
-        return self.layout is Layout.EXPERT
+    def expert(self, plan: Plan) -> bool:
+        return self.layout is GridLayout.EXPERT
 
-    def ranks(self, plan: TopologyPlan, rank: int) -> tuple[int, ...]:
-        return plan._global(self._grid(plan).group_ranks(self.dims, plan._pos(rank)))
+    def ranks(self, plan: Plan, rank: int) -> tuple[int, ...]:
+        return plan.rank_map.global_ranks(self._grid(plan).group_ranks(self.dims, plan.rank_map.position(rank)))
 
-    def position(self, plan: TopologyPlan, rank: int, members: tuple[int, ...] | None = None) -> int:
-        return self._grid(plan).group_rank(self.dims, plan._pos(rank))
+    def position(self, plan: Plan, rank: int, members: tuple[int, ...] | None = None) -> int:
+        return self._grid(plan).group_rank(self.dims, plan.rank_map.position(rank))
 
-    def rank(self, plan: TopologyPlan, rank: int, members: tuple[int, ...] | None = None) -> int:
+    def rank(self, plan: Plan, rank: int, members: tuple[int, ...] | None = None) -> int:
         # Positions keep the global ranks' order, so the layout's index is torch's.
         return self.position(plan, rank)
 
-    def size(self, plan: TopologyPlan, rank: int = 0) -> int:
+    def size(self, plan: Plan, rank: int = 0) -> int:
         return self._grid(plan).group_size(self.dims)
 
-    def count(self, plan: TopologyPlan) -> int:
+    def count(self, plan: Plan) -> int:
         return self._grid(plan).num_groups(self.dims)
 
-    def index(self, plan: TopologyPlan, rank: int) -> int:
-        return self._grid(plan).group_index(self.dims, plan._pos(rank))
+    def index(self, plan: Plan, rank: int) -> int:
+        return self._grid(plan).group_index(self.dims, plan.rank_map.position(rank))
 
-    def groups(self, plan: TopologyPlan) -> Iterator[tuple[int, ...]]:
+    def groups(self, plan: Plan) -> Iterator[tuple[int, ...]]:
         for positions in self._grid(plan).groups(self.dims):
-            yield plan._global(positions)
+            yield plan.rank_map.global_ranks(positions)
 
-    def signature(self, plan: TopologyPlan) -> Any:
+    def signature(self, plan: Plan) -> Any:
         return ("separate", self.name) if self.separate else self._grid(plan).signature(self.dims)
 
 
 class _PartKind(Kind):
     """A kind whose groups are parts of each group of another kind, ``base``."""
 
-    def expert(self, plan: TopologyPlan) -> bool:
+    def expert(self, plan: Plan) -> bool:
         return plan.kind(self.base).expert(plan)
 
-    def groups(self, plan: TopologyPlan) -> Iterator[tuple[int, ...]]:
+    def groups(self, plan: Plan) -> Iterator[tuple[int, ...]]:
         for base in plan.groups(self.base):
             seen: set[tuple[int, ...]] = set()
             for r in base:
@@ -305,14 +338,14 @@ class SplitKind(_PartKind):
         unit = math.prod(self.radices[:self.level])
         return unit, position // unit % self.radices[self.level]
 
-    def ranks(self, plan: TopologyPlan, rank: int) -> tuple[int, ...]:
+    def ranks(self, plan: Plan, rank: int) -> tuple[int, ...]:
         base = plan.group_ranks(self.base, rank)
         position = plan.kind(self.base).position(plan, rank, base)
         unit, digit = self._digits(position)
         first = position - digit * unit
         return tuple([base[first + i * unit] for i in range(self.radices[self.level])])
 
-    def rank(self, plan: TopologyPlan, rank: int, members: tuple[int, ...] | None = None) -> int:
+    def rank(self, plan: Plan, rank: int, members: tuple[int, ...] | None = None) -> int:
         # A base group listing its ranks ascending (a grid's) keeps them ascending in every part: the
         # index is the rank's digit at the split's level, with no member list (one can be the world).
         base = plan.kind(self.base)
@@ -320,16 +353,16 @@ class SplitKind(_PartKind):
             return super().rank(plan, rank, members)
         return self._digits(base.position(plan, rank))[1]
 
-    def size(self, plan: TopologyPlan, rank: int = 0) -> int:
+    def size(self, plan: Plan, rank: int = 0) -> int:
         return self.radices[self.level]
 
     def _per_base(self) -> int:
         return math.prod(self.radices) // self.radices[self.level]
 
-    def count(self, plan: TopologyPlan) -> int:
+    def count(self, plan: Plan) -> int:
         return plan.num_groups(self.base) * self._per_base()
 
-    def index(self, plan: TopologyPlan, rank: int) -> int:
+    def index(self, plan: Plan, rank: int) -> int:
         position = plan.kind(self.base).position(plan, rank)
         index, acc = 0, 1  # the split's index among one base group's: its other digits
         for i, radix in enumerate(self.radices):
@@ -338,7 +371,7 @@ class SplitKind(_PartKind):
                 acc *= radix
         return plan.group_index(self.base, rank) * self._per_base() + index
 
-    def signature(self, plan: TopologyPlan) -> Any:
+    def signature(self, plan: Plan) -> Any:
         radix = self.radices[self.level]
         if radix == 1:
             return ()
@@ -351,7 +384,7 @@ class InstanceSplit(SplitKind):
     """One distributed-optimizer instance's part of each ``base`` group (level 0) or the group
     across the instances (level 1): ``base`` split by the number of instances."""
 
-    def bind(self, plan: TopologyPlan) -> Iterator[Kind]:
+    def bind(self, plan: Plan) -> Iterator[Kind]:
         instances = plan.dist_opt_instances
         for kind in super().bind(plan):
             yield dataclasses.replace(kind, radices=(plan.group_size(self.base) // instances, instances))
@@ -360,22 +393,22 @@ class InstanceSplit(SplitKind):
 class BlockKind(_PartKind):
     """Contiguous blocks of ``block`` positions of each ``base`` group; the last block may be short."""
 
-    def ranks(self, plan: TopologyPlan, rank: int) -> tuple[int, ...]:
+    def ranks(self, plan: Plan, rank: int) -> tuple[int, ...]:
         base = plan.group_ranks(self.base, rank)
         start = base.index(rank) // self.block * self.block
         return base[start:start + self.block]
 
-    def _per_base(self, plan: TopologyPlan) -> int:
+    def _per_base(self, plan: Plan) -> int:
         return -(-plan.group_size(self.base) // self.block)
 
-    def count(self, plan: TopologyPlan) -> int:
+    def count(self, plan: Plan) -> int:
         return plan.num_groups(self.base) * self._per_base(plan)
 
-    def index(self, plan: TopologyPlan, rank: int) -> int:
+    def index(self, plan: Plan, rank: int) -> int:
         position = plan.group_ranks(self.base, rank).index(rank)
         return plan.group_index(self.base, rank) * self._per_base(plan) + position // self.block
 
-    def signature(self, plan: TopologyPlan) -> Any:
+    def signature(self, plan: Plan) -> Any:
         return ("blocks", plan.signature(self.base), self.block)
 
 
@@ -389,21 +422,50 @@ class PickKind(Kind):
         if self.which is None:
             raise TypeError(f"kind {self.name!r}: a picked kind says which stages it picks (which=Pick....)")
 
-    def ranks(self, plan: TopologyPlan, rank: int) -> tuple[int, ...]:
-        picked = plan.picked(self.which, plan.group_ranks(PP.name, rank))
+    def picked(self, plan: Plan, pp_ranks: tuple[int, ...]) -> tuple[int, ...]:
+        """The stages of one pipeline (its global ranks ``pp_ranks``) this kind holds: the plan's pick, checked."""
+        which = self.which
+        fn = getattr(plan, f"{which}_ranks")
+        if fn is None:
+            fn = default_embedding_ranks if which is Pick.EMBEDDING else default_position_embedding_ranks
+        try:
+            picked = fn(list(pp_ranks))
+        except Exception as exc:
+            raise ParallelStateError(
+                f"get_{which}_ranks({list(pp_ranks)}) raised {type(exc).__name__}: {exc}; it must return the "
+                f"ranks of that pipeline that hold the {which.replace('_', ' ')}"
+            ) from exc
+        try:
+            picked = tuple(int(r) for r in picked)
+        except (TypeError, ValueError):
+            raise ParallelStateError(
+                f"get_{which}_ranks({list(pp_ranks)}) returned {picked!r}; it must return a list of global ranks"
+            ) from None
+        stray = [r for r in picked if r not in pp_ranks]
+        if stray or not picked or len(set(picked)) != len(picked):
+            why = (f"ranks {stray} are not in that pipeline" if stray else
+                   "no rank" if not picked else "a rank twice")
+            raise ParallelStateError(
+                f"get_{which}_ranks({list(pp_ranks)}) returned {list(picked)}: {why}; return distinct ranks of "
+                f"the pipeline group it is given"
+            )
+        return picked
+
+    def ranks(self, plan: Plan, rank: int) -> tuple[int, ...]:
+        picked = self.picked(plan, plan.group_ranks(PP.name, rank))
         return picked if rank in picked else ()
 
-    def count(self, plan: TopologyPlan) -> int:
+    def count(self, plan: Plan) -> int:
         return plan.num_groups(PP.name)
 
-    def index(self, plan: TopologyPlan, rank: int) -> int:
+    def index(self, plan: Plan, rank: int) -> int:
         return plan.group_index(PP.name, rank)
 
-    def groups(self, plan: TopologyPlan) -> Iterator[tuple[int, ...]]:
+    def groups(self, plan: Plan) -> Iterator[tuple[int, ...]]:
         for pp_ranks in plan.groups(PP.name):
-            yield plan.picked(self.which, pp_ranks)
+            yield self.picked(plan, pp_ranks)
 
-    def signature(self, plan: TopologyPlan) -> Any:
+    def signature(self, plan: Plan) -> Any:
         # A pick is a non-empty subset of the pipeline: all of it with one stage, and
         # megatron-core's default embedding pick (first and last) is all of it up to two.
         if plan.pp == 1 or (self.which is Pick.EMBEDDING and plan.embedding_ranks is None and plan.pp == 2):
@@ -414,15 +476,15 @@ class PickKind(Kind):
 class InstanceKind(Kind):
     """``runs`` consecutive expert tp-ep-pp groups (one distributed-optimizer instance), as one group."""
 
-    def bind(self, plan: TopologyPlan) -> Iterator[Kind]:
+    def bind(self, plan: Plan) -> Iterator[Kind]:
         # megatron-core 0.19: with gtp_remat or expert gtp_remat the instance is the whole world (one instance).
         for kind in super().bind(plan):
             yield dataclasses.replace(kind, runs=plan.edp // plan.dist_opt_instances)
 
-    def expert(self, plan: TopologyPlan) -> bool:
+    def expert(self, plan: Plan) -> bool:
         return True
 
-    def ranks(self, plan: TopologyPlan, rank: int) -> tuple[int, ...]:
+    def ranks(self, plan: Plan, rank: int) -> tuple[int, ...]:
         # A rank's position in its expert dp group is its expert-dp coordinate, shared by its
         # whole tp x ep x pp group: an instance is the runs at positions [first, first + runs).
         if self.runs == plan.edp:
@@ -431,18 +493,18 @@ class InstanceKind(Kind):
         first = edp.index(rank) // self.runs * self.runs
         return tuple(sorted(sum([plan.group_ranks(ETP_EP_PP.name, q) for q in edp[first:first + self.runs]], ())))
 
-    def count(self, plan: TopologyPlan) -> int:
+    def count(self, plan: Plan) -> int:
         return plan.edp // self.runs
 
-    def index(self, plan: TopologyPlan, rank: int) -> int:
+    def index(self, plan: Plan, rank: int) -> int:
         return plan.group_ranks(EDP.name, rank).index(rank) // self.runs
 
-    def groups(self, plan: TopologyPlan) -> Iterator[tuple[int, ...]]:
+    def groups(self, plan: Plan) -> Iterator[tuple[int, ...]]:
         edp = plan.group_ranks(EDP.name, plan.all_ranks[0])
         for first in range(0, plan.edp, self.runs):
             yield self.ranks(plan, edp[first])
 
-    def signature(self, plan: TopologyPlan) -> Any:
+    def signature(self, plan: Plan) -> Any:
         return ((1, plan.world_size),) if self.runs == plan.edp else ("instance", self.runs)
 
 
@@ -458,15 +520,15 @@ class Family(Kind):
     def optional(self) -> bool:
         return True
 
-    def numbers(self, plan: TopologyPlan) -> list[int]:
+    def numbers(self, plan: Plan) -> list[int]:
         """The members' numbers in ``plan``."""
         raise NotImplementedError
 
-    def member(self, plan: TopologyPlan, number: int) -> Kind:
+    def member(self, plan: Plan, number: int) -> Kind:
         """The kind numbered ``number``."""
         raise NotImplementedError
 
-    def bind(self, plan: TopologyPlan) -> Iterator[Kind]:
+    def bind(self, plan: Plan) -> Iterator[Kind]:
         for number in self.numbers(plan):
             yield self.member(plan, number)
 
@@ -483,10 +545,10 @@ class Family(Kind):
 class Levels(Family):
     """Hierarchical context parallelism: level ``number`` of each cp group, innermost first."""
 
-    def numbers(self, plan: TopologyPlan) -> list[int]:
+    def numbers(self, plan: Plan) -> list[int]:
         return list(range(len(plan.hierarchical_cp or ())))
 
-    def member(self, plan: TopologyPlan, number: int) -> Kind:
+    def member(self, plan: Plan, number: int) -> Kind:
         return SplitKind(name=f"{CP.name}-l{number}", base=CP.name, radices=plan.hierarchical_cp, level=number,
                          **self._facts(number))
 
@@ -497,11 +559,30 @@ class Levels(Family):
 class Blocks(Family):
     """Hybrid context parallelism: blocks of ``number`` ranks of each dp x cp group."""
 
-    def numbers(self, plan: TopologyPlan) -> list[int]:
+    def numbers(self, plan: Plan) -> list[int]:
         return hybrid_sizes(plan.dp * plan.cp) if plan.hybrid_cp else []
 
-    def member(self, plan: TopologyPlan, number: int) -> Kind:
+    def member(self, plan: Plan, number: int) -> Kind:
         return BlockKind(name=f"{DP_CP.name}-hybrid{number}", base=DP_CP.name, block=number, **self._facts(number))
+
+
+def _pp_rank_list(pp_ranks: object) -> list[Any]:
+    if isinstance(pp_ranks, (str, bytes)) or not isinstance(pp_ranks, Sequence):
+        raise ParallelStateTypeError(f"pp_ranks must be the list of a pipeline's global ranks, got {pp_ranks!r}")
+    if len(pp_ranks) == 0:
+        raise ParallelStateError("pp_ranks is empty; pass the global ranks of one pipeline, first stage first")
+    return list(pp_ranks)
+
+
+def default_embedding_ranks(pp_ranks: Sequence[int]) -> list[int]:
+    """The ranks that hold the word embeddings by default: the first and last pipeline stages."""
+    ranks = _pp_rank_list(pp_ranks)
+    return [ranks[0]] if len(ranks) == 1 else [ranks[0], ranks[-1]]
+
+
+def default_position_embedding_ranks(pp_ranks: Sequence[int]) -> list[int]:
+    """The ranks that hold the position embeddings by default: the first pipeline stage."""
+    return [_pp_rank_list(pp_ranks)[0]]
 
 
 def hybrid_sizes(n: int) -> list[int]:
@@ -586,33 +667,37 @@ ROWS: tuple[Kind, ...] = (
         nccl="pos_embd", with_ranks=True, field=Field("pos_embd", 4),
         hint="this rank holds no position embedding (its stage is not one get_position_embedding_ranks picked)"),
     EGTP := GridKind(
-        name="egtp", layout=Layout.EXPERT, dims=(Dim.GTP_REMAT,), title="expert generalized tensor-parallel (gtp_remat)",
+        name="egtp", layout=GridLayout.EXPERT, dims=(Dim.GTP_REMAT,), title="expert generalized tensor-parallel (gtp_remat)",
         label="EXPERT_GTP_WEIGHT_REMAT_GROUP", nccl="expt_gtp_remat", with_ranks=True, zero_without=Zero.WITHOUT_GROUPS,
         field=Field("expt_gtp_remat", 19, "0.19")),
     EP := GridKind(
-        name="ep", layout=Layout.EXPERT, dims=(Dim.EP,), title="expert-model-parallel", label="EXPERT_MODEL_PARALLEL_GROUP",
+        name="ep", layout=GridLayout.EXPERT, dims=(Dim.EP,), title="expert-model-parallel",
+        label="EXPERT_MODEL_PARALLEL_GROUP",
         nccl="ep", with_ranks=True, ranks_global="_EXPERT_MODEL_PARALLEL_RANKS", zero_without=Zero.WITHOUT_DIST,
         field=Field("ep", 8)),
     ETP := GridKind(
-        name="etp", layout=Layout.EXPERT, dims=(Dim.TP,), title="expert-tensor-parallel",
+        name="etp", layout=GridLayout.EXPERT, dims=(Dim.TP,), title="expert-tensor-parallel",
         label="EXPERT_TENSOR_PARALLEL_GROUP", nccl="ep_tp", field=Field("expt_tp", 9)),
     ETP_EP := GridKind(
-        name="etp-ep", layout=Layout.EXPERT, dims=(Dim.TP, Dim.EP), title="expert tensor-and-model-parallel",
+        name="etp-ep", layout=GridLayout.EXPERT, dims=(Dim.TP, Dim.EP), title="expert tensor-and-model-parallel",
         label="EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP", nccl="tp_ep_mp", zero_without=Zero.WITHOUT_DIST,
         field=Field("tp_ep", 10)),
     ETP_EP_PP := GridKind(
-        name="etp-ep-pp", layout=Layout.EXPERT, dims=(Dim.TP, Dim.EP, Dim.PP), title="expert tensor-model-pipeline-parallel",
+        name="etp-ep-pp", layout=GridLayout.EXPERT, dims=(Dim.TP, Dim.EP, Dim.PP),
+        title="expert tensor-model-pipeline-parallel",
         label="EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP", nccl="tp_ep_pp", field=Field("tp_ep_pp", 11)),
     ETP_EP_EGTP_PP := GridKind(
-        name="etp-ep-egtp-pp", layout=Layout.EXPERT, dims=(Dim.TP, Dim.EP, Dim.GTP_REMAT, Dim.PP),
+        name="etp-ep-egtp-pp", layout=GridLayout.EXPERT, dims=(Dim.TP, Dim.EP, Dim.GTP_REMAT, Dim.PP),
         title="expert tensor-model-pipeline-parallel (with expert gtp_remat)",
         label="EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP", nccl="tp_ep_gtp_remat_pp",
         field=Field("tp_ep_pp_with_egtp_remat", 12, "0.19")),
     EDP := GridKind(
-        name="edp", layout=Layout.EXPERT, dims=(Dim.DP,), title="expert data-parallel", label="EXPERT_DATA_PARALLEL_GROUP",
+        name="edp", layout=GridLayout.EXPERT, dims=(Dim.DP,), title="expert data-parallel",
+        label="EXPERT_DATA_PARALLEL_GROUP",
         nccl="ep_dp", gloo=True, zero_without=Zero.WITHOUT_DIST, field=Field("expt_dp", 20)),
     EGTP_EDP := GridKind(
-        name="egtp-edp", layout=Layout.EXPERT, dims=(Dim.GTP_REMAT, Dim.DP), title="expert data-parallel (with gtp_remat)",
+        name="egtp-edp", layout=GridLayout.EXPERT, dims=(Dim.GTP_REMAT, Dim.DP),
+        title="expert data-parallel (with gtp_remat)",
         label="EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT", nccl="ep_gtp_remat_dp", shares=(EDP.name,),
         zero_without=Zero.WITHOUT_DIST, field=Field("expt_dp_gtp_remat", 21, "0.19")),
     EDP_INTRA := InstanceSplit(
@@ -626,7 +711,7 @@ ROWS: tuple[Kind, ...] = (
         label=EGTP_EDP.label, nccl=EGTP_EDP.nccl, megatron="_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
         shares=(EDP_INTRA.name, EGTP_EDP.name), zero_without=Zero.WITHOUT_DIST),
     EDP_AG := GridKind(
-        name="edp-ag", layout=Layout.EXPERT, dims=(Dim.DP,), title="expert all-gather data-parallel",
+        name="edp-ag", layout=GridLayout.EXPERT, dims=(Dim.DP,), title="expert all-gather data-parallel",
         label="EXPERT_DATA_PARALLEL_GROUP_AG", nccl=EDP.nccl, megatron=None, separate=True,
         field=Field("expt_dp_ag", 22, "0.18"), when=lambda plan: plan.expert_all_gather and plan.ep > 1,
         hint="call parallel_state.create_all_gather_groups(for_expert_parallelism=True) with "
@@ -642,8 +727,17 @@ ROWS: tuple[Kind, ...] = (
         nccl="intra_dist_opt_instance", field=Field("intra_dist_opt", 26)),
 )
 
-#: Every row by name (the families' too; numbered kinds are a plan's: ``TopologyPlan.kinds``).
+#: Every row by name (the families' too; numbered kinds are a plan's: ``Plan.kinds``).
 BY_NAME: dict[str, Kind] = {r.name: r for r in ROWS}
+
+def row(kind: str) -> Kind:
+    """The row of kind ``kind`` (a plan's numbered kinds: ``plan.kind(name)``)."""
+    try:
+        return BY_NAME[kind]
+    except KeyError:
+        raise KeyError(f"{kind!r} is not a fixed group kind; the kinds are {list(BY_NAME)} (numbered kinds: "
+                       f"TopologyPlan.kind)") from None
+
 
 #: ``ProcessGroupCollection``'s fields (every one is a kind's or a family's), in megatron-core 0.19's order.
 FIELDS: tuple[Kind, ...] = tuple(sorted((r for r in ROWS if r.field is not None), key=lambda r: r.field.slot))  # type: ignore[union-attr]

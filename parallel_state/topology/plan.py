@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 from parallel_state.errors import ParallelStateError, ParallelStateTypeError
 from parallel_state.topology import validation
 from parallel_state.topology.arguments import positive_int
 from parallel_state.topology.grid import DEFAULT_ORDER, DIMS, Grid, insert_gtp_remat, normalize_order, parse_dims  # noqa: F401
 from parallel_state.topology.kinds import ROWS, GridKind, Kind, hybrid_sizes  # noqa: F401
+from parallel_state.topology.rank_map import RankMap
 from parallel_state.topology.sizes import Sizes
 
 
@@ -58,24 +59,16 @@ class TopologyPlan(Sizes):
     expert: Grid = field(init=False, repr=False)
     #: Every kind of this plan by name, in creation order (``topology.kinds``' rows, bound to the plan).
     kinds: dict[str, Kind] = field(init=False, repr=False, compare=False)
-    _position: dict[int, int] | None = field(init=False, repr=False, compare=False, default=None)
+    #: Plan positions to the global ranks (``ranks``) and back.
+    rank_map: RankMap = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         world = positive_int("world_size", self.world_size)
         checked = validation.sizes(self)
         decoder, expert = validation.layout(world, checked, self.hybrid_cp)
-        subset = self.ranks
-        if subset is not None:
-            subset = tuple(subset)
-            if list(subset) != sorted(set(subset)) or len(subset) != world:
-                raise ParallelStateError(
-                    f"ranks {list(subset)} must be {world} distinct global ranks in ascending order (one per "
-                    f"position of the plan's world of {world})"
-                )
-        object.__setattr__(self, "ranks", subset)
-        # Ranks 0 .. world_size - 1 need no mapping (a subset that starts at 0 included).
-        identity = subset is None or subset == tuple(range(world))
-        object.__setattr__(self, "_position", None if identity else {r: i for i, r in enumerate(subset)})
+        rank_map = RankMap(world, self.ranks)
+        object.__setattr__(self, "rank_map", rank_map)
+        object.__setattr__(self, "ranks", rank_map.ranks)
         for name in ("embedding_ranks", "position_embedding_ranks"):
             fn = getattr(self, name)
             if fn is not None and not callable(fn):
@@ -136,7 +129,7 @@ class TopologyPlan(Sizes):
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's coordinate along every decoder dimension."""
-        return self.decoder.coords(self._pos(rank))
+        return self.decoder.coords(self.rank_map.position(rank))
 
     # --- kinds ---------------------------------------------------------------------------------
 
@@ -153,55 +146,14 @@ class TopologyPlan(Sizes):
             raise ParallelStateError(f"{exc}; or one of this plan's kinds {list(self.kinds)}") from None
         return GridKind(name=name, dims=dims)
 
-    def _pos(self, rank: int) -> int:
-        """The plan position of global ``rank``."""
-        if self._position is None:
-            return rank
-        try:
-            return self._position[rank]
-        except KeyError:
-            raise ParallelStateError(f"rank {rank} is not one of this plan's ranks {list(self.ranks)}") from None
-
-    def _global(self, positions: tuple[int, ...]) -> tuple[int, ...]:
-        """Global ranks of plan ``positions``."""
-        return positions if self._position is None else tuple(self.ranks[p] for p in positions)
-
     @property
     def all_ranks(self) -> tuple[int, ...]:
         """Every global rank of the plan, ascending."""
-        return self.ranks if self.ranks is not None else tuple(range(self.world_size))
+        return self.rank_map.all
 
     def group_ranks(self, kind: str, rank: int) -> tuple[int, ...]:
         """Global ranks of the group of ``kind`` that holds ``rank`` (empty when it is in none)."""
         return self.kind(kind).ranks(self, rank)
-
-    def picked(self, which: str, pp_ranks: tuple[int, ...]) -> tuple[int, ...]:
-        """The embedding (or position-embedding) ranks of one pipeline, checked."""
-        fn = getattr(self, f"{which}_ranks")
-        if fn is None:
-            fn = default_embedding_ranks if which == "embedding" else default_position_embedding_ranks
-        try:
-            picked = fn(list(pp_ranks))
-        except Exception as exc:
-            raise ParallelStateError(
-                f"get_{which}_ranks({list(pp_ranks)}) raised {type(exc).__name__}: {exc}; it must return the "
-                f"ranks of that pipeline that hold the {which.replace('_', ' ')}"
-            ) from exc
-        try:
-            picked = tuple(int(r) for r in picked)
-        except (TypeError, ValueError):
-            raise ParallelStateError(
-                f"get_{which}_ranks({list(pp_ranks)}) returned {picked!r}; it must return a list of global ranks"
-            ) from None
-        stray = [r for r in picked if r not in pp_ranks]
-        if stray or not picked or len(set(picked)) != len(picked):
-            why = (f"ranks {stray} are not in that pipeline" if stray else
-                   "no rank" if not picked else "a rank twice")
-            raise ParallelStateError(
-                f"get_{which}_ranks({list(pp_ranks)}) returned {list(picked)}: {why}; return distinct ranks of "
-                f"the pipeline group it is given"
-            )
-        return picked
 
     def group_rank(self, kind: str, rank: int, members: tuple[int, ...] | None = None) -> int:
         """Index of ``rank`` in its group of ``kind`` as torch numbers it (by global rank); ``members``:
@@ -232,21 +184,3 @@ class TopologyPlan(Sizes):
         """Whether every rank's group of ``kind_a`` equals its group of ``kind_b``."""
         return self.signature(kind_a) == self.signature(kind_b)
 
-
-def _pp_rank_list(pp_ranks: object) -> list[Any]:
-    if isinstance(pp_ranks, (str, bytes)) or not isinstance(pp_ranks, Sequence):
-        raise ParallelStateTypeError(f"pp_ranks must be the list of a pipeline's global ranks, got {pp_ranks!r}")
-    if len(pp_ranks) == 0:
-        raise ParallelStateError("pp_ranks is empty; pass the global ranks of one pipeline, first stage first")
-    return list(pp_ranks)
-
-
-def default_embedding_ranks(pp_ranks: Sequence[int]) -> list[int]:
-    """The ranks that hold the word embeddings by default: the first and last pipeline stages."""
-    ranks = _pp_rank_list(pp_ranks)
-    return [ranks[0]] if len(ranks) == 1 else [ranks[0], ranks[-1]]
-
-
-def default_position_embedding_ranks(pp_ranks: Sequence[int]) -> list[int]:
-    """The ranks that hold the position embeddings by default: the first pipeline stage."""
-    return [_pp_rank_list(pp_ranks)[0]]

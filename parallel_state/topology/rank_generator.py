@@ -24,7 +24,7 @@ from parallel_state.errors import (
 from parallel_state.topology import releases
 from parallel_state.topology.arguments import flag, is_int, non_negative_int, positive_int
 from parallel_state.topology.grid import Grid, normalize_order
-from parallel_state.topology.plan import default_embedding_ranks, default_position_embedding_ranks, hybrid_sizes  # noqa: F401
+from parallel_state.topology.kinds import default_embedding_ranks, default_position_embedding_ranks, hybrid_sizes  # noqa: F401
 
 
 def _rank_list(name: str, ranks: object) -> list[int]:

@@ -1,9 +1,7 @@
-"""The group kinds as group building reads them: ``topology.kinds``' rows, looked up by name, and the
-two groups a kind can have (:class:`Flavor`).
+"""The two groups a kind can have (:class:`Flavor`): its main group and its gloo twin, and what holds them.
 
-Each kind is one typed row there (its ranks rule, megatron-core's global, NCCL section,
-``group_desc``, gloo twin, sharing rule ...); a plan's numbered kinds (``cp-l<level>``,
-``dp-cp-hybrid<size>``) are rows of that plan (``TopologyPlan.kinds``), never parsed from a name.
+The kinds themselves are ``topology.kinds``' rows (``topology.kinds.row(name)``; a plan's numbered kinds:
+``TopologyPlan.kind``).
 """
 
 from __future__ import annotations
@@ -11,18 +9,9 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any, Protocol
 
-from parallel_state.topology.kinds import BY_NAME, ROWS, Kind
+from parallel_state.topology.kinds import Kind
 
-__all__ = ["BY_NAME", "ROWS", "Flavor", "Kind", "row"]
-
-
-def row(kind: str) -> Kind:
-    """The row of kind ``kind`` (a plan's numbered kinds: ``plan.kind(name)``)."""
-    try:
-        return BY_NAME[kind]
-    except KeyError:
-        raise KeyError(f"{kind!r} is not a fixed group kind; the kinds are {list(BY_NAME)} (numbered kinds: "
-                       f"TopologyPlan.kind)") from None
+__all__ = ["Flavor", "HoldsGroups"]
 
 
 class HoldsGroups(Protocol):
