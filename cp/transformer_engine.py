@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import cp
-from cp import call_check, inputs
+from cp import call_check, cross, inputs
 from cp.attention import masked_ulysses
 from cp.comm import backend_for
 from cp.ring import masked_ring
@@ -448,13 +448,25 @@ class DotProductAttention(torch.nn.Module):
         route = _route(comm, self.cp_group)
         try:
             fmt = _qkv_format(WHAT, fmt_name)
-            mask, plan_args = self._mask(fmt, mask_type, window, unsupported, q, k, v, cu, route, comm)
-            facts = None if route is None else inputs.Facts(tuple(zip(_FIELDS, (
-                fmt.value, str(mask), comm.value, tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype), cu,
-                self.softmax_scale), strict=True)))
-            return self._call(fmt, mask, plan_args, q, route, comm, facts)
+            _check_unsupported(unsupported)
+            mask_type = _mask_type(WHAT, mask_type)
+            window = check_window_size(mask_type, window)
+            self._check_tensors(fmt, q, k, v)
+            _check_route(q, route, self.cp_group, self.cp_global_ranks)
+            if _is_cross(fmt, q, k, cu, route, self.attention_type):
+                return self._cross(fmt, mask_type, window, cu, q, k, v, route, comm)
+            mask, plan_args = self._mask(fmt, mask_type, window, q, k, cu, route, comm)
+            return self._call(fmt, mask, plan_args, q, route, self._facts(fmt, str(mask), comm, q, k, v, cu, route))
         except (TypeError, ValueError) as exc:
             self._refuse(exc)
+
+    def _facts(self, fmt: QKVFormat, mask: str, comm: CommType, q: Any, k: Any, v: Any, cu: tuple[Any, ...],
+               route: _Route | None) -> inputs.Facts | None:
+        """The face's arguments every rank's call is compared by (None without context parallelism)."""
+        if route is None:
+            return None
+        return inputs.Facts(tuple(zip(_FIELDS, (fmt.value, mask, comm.value, tuple(q.shape), tuple(k.shape),
+                                                tuple(v.shape), str(q.dtype), cu, self.softmax_scale), strict=True)))
 
     def _refuse(self, error: Exception) -> NoReturn:
         """Raise ``error``, a bad input found on this rank alone: as it is without context parallelism, else through
@@ -466,22 +478,9 @@ class DotProductAttention(torch.nn.Module):
         reason = str(error).removeprefix(f"{WHAT}: ").removeprefix("DotProductAttention: ")
         call_check.refuse(WHAT, reason, route.group, route.ring_group)
 
-    def _mask(self, fmt: QKVFormat, mask_type: str, window: Any, unsupported: tuple[Any, ...], q: Any, k: Any,
-              v: Any, cu: tuple[Any, ...], route: _Route | None, comm: CommType) -> tuple[Any, tuple[Any, ...]]:
-        """Check q, k, v and the settings; the mask over the whole sequence and the plan's layout arguments
-        (whole length, the padded sequence boundaries, the real tokens' boundaries)."""
+    def _check_tensors(self, fmt: QKVFormat, q: Any, k: Any, v: Any) -> None:
+        """q, k and v against the format and the constructor's head counts and sizes."""
         what = WHAT
-        cp_size = 1 if route is None else route.n
-        user_mask = self.mask
-        if unsupported:
-            fixes = {"attention_dropout": "set attention_dropout=0.0 (or call .eval())",
-                     "core_attention_bias_type": "use core_attention_bias_type='no_bias'",
-                     "fp8_output": "leave fp8_output False"}
-            raise ValueError(f"{what}: cp's engine does not support "
-                             + "; ".join(f"{n}={_shown(val)}" + (f" ({fixes[n]})" if n in fixes else " (leave it None)")
-                                         for n, val in unsupported))
-        mask_type = _mask_type(what, mask_type)
-        window = check_window_size(mask_type, window)
         tensors = (("query_layer", q), ("key_layer", k), ("value_layer", v))
         for name, t in tensors:
             if not isinstance(t, torch.Tensor):
@@ -508,49 +507,60 @@ class DotProductAttention(torch.nn.Module):
         if heads % kv_heads:
             raise ValueError(f"{what}: q's {heads} heads are not divisible by the {kv_heads} K/V heads (GQA groups)")
         s = fmt.seq_dim
-        batch_q = q.shape[1 - s] if fmt is not QKVFormat.THD else None
-        if fmt is not QKVFormat.THD and batch_q != k.shape[1 - s]:
+        if fmt is not QKVFormat.THD and q.shape[1 - s] != k.shape[1 - s]:
             raise ValueError(f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} have different batch sizes")
+
+    def _cross(self, fmt: QKVFormat, mask_type: str, window: Any, cu: tuple[Any, ...], q: Any, k: Any, v: Any,
+               route: _Route | None, comm: CommType) -> _Call:
+        """A cross call (``cp.cross``): each query to every key of its sample; under context parallelism the keys
+        gathered over the cp group, whatever ``cp_comm_type``."""
+        what = WHAT
+        n = 1 if route is None else route.n
+        if self.mask is not None:
+            raise ValueError(f"{what}: mask={self.mask} applies to self attention only, and this call is cross "
+                             f"attention (q {tuple(q.shape)}, k {tuple(k.shape)}, attention_type="
+                             f"{self.attention_type!r}); build the cross attention without mask=")
+        want = "padding" if fmt is QKVFormat.THD else "no_mask"
+        if mask_type != want or window != (-1, -1):
+            raise ValueError(f"{what}: cross attention here lets every query see every key of its sample: with "
+                             f"qkv_format={fmt.value!r} it takes attn_mask_type={want!r} and window_size (-1, -1); "
+                             f"got {mask_type!r}, window_size={window}")
+        layout = cross.Layout(fmt.seq_dim, fmt.head_dim)
+        if fmt is QKVFormat.THD:
+            cu_q, cu_kv, pad_q, pad_kv = _thd_boundaries(cu, n)
+            if len(cu_q) != len(cu_kv):
+                raise ValueError(f"{what}: cu_seqlens_q {list(cu_q)} and cu_seqlens_kv {list(cu_kv)} hold different "
+                                 f"numbers of samples; a cross attention's queries and keys come from the same samples")
+            layout = cross.Layout(0, 1, cross.packed(what, "q", cu_q, pad_q, q.shape[0], n),
+                                  cross.packed(what, "kv", cu_kv, pad_kv, k.shape[0], n))
+        groups = () if route is None else (route.group,) + (() if route.ring_group is None else (route.ring_group,))
+        facts = self._facts(fmt, f"cross {mask_type}", comm, q, k, v, cu, route)
+        call = cross.resolve(what, layout, q, k, v, self.softmax_scale, groups=groups, n=n,
+                             rank=0 if route is None else route.rank, facts=facts)
+        return _Call(call.run, None, None)
+
+    def _mask(self, fmt: QKVFormat, mask_type: str, window: Any, q: Any, k: Any, cu: tuple[Any, ...],
+              route: _Route | None, comm: CommType) -> tuple[Any, tuple[Any, ...]]:
+        """The self attention's mask over the whole sequence and the plan's layout arguments (whole length, the
+        padded sequence boundaries, the real tokens' boundaries)."""
+        what = WHAT
+        cp_size = 1 if route is None else route.n
+        user_mask = self.mask
+        s = fmt.seq_dim
         if cp_size > 1:
-            if self.attention_type == "cross" or q.shape[s] != k.shape[s]:
-                raise ValueError(f"{what}: context parallelism needs self attention (q and k/v the same tokens); got "
-                                 f"attention_type={self.attention_type!r}, q {tuple(q.shape)}, k {tuple(k.shape)}; "
-                                 f"leave the cross attention's cp_group None")
+            heads = q.shape[-2]
             a2a = cp_size if comm is CommType.A2A else self.cp_group[0].size() if comm is CommType.A2A_P2P else 1
             if heads % a2a:
                 raise ValueError(f"{what}: cp_comm_type={comm.value!r} scatters heads over {a2a} ranks, but q has "
                                  f"{heads} heads; use a head count divisible by {a2a}, or cp_comm_type='p2p'")
-        bounds = None
         if fmt is QKVFormat.THD:
             if "padding" not in mask_type:
                 raise ValueError(f"{what}: qkv_format='thd' needs attn_mask_type 'padding' or 'padding_causal' (each "
                                  f"packed sequence attends only to itself), got {mask_type!r}")
-            cu_q, cu_kv, pad_q, pad_kv = cu
-            if cu_q is None or cu_kv is None:
-                raise ValueError(f"{what}: qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv")
-            if cp_size > 1 and (pad_q is None or pad_kv is None):
-                raise ValueError(f"{what}: context parallelism with qkv_format='thd' needs cu_seqlens_q_padded and "
-                                 f"cu_seqlens_kv_padded (each sequence padded to a multiple of 2 * cp = {2 * cp_size}; "
-                                 f"pass cu_seqlens_q as cu_seqlens_q_padded when there is no padding)")
-            pad_q = cu_q if pad_q is None else pad_q
-            pad_kv = cu_kv if pad_kv is None else pad_kv
-            if cu_q != cu_kv or pad_q != pad_kv:
-                raise ValueError(f"{what}: qkv_format='thd' here is self attention: cu_seqlens_kv (and its padded "
-                                 f"form) must equal cu_seqlens_q's; got {list(cu_q)} / {list(cu_kv)}, padded "
-                                 f"{list(pad_q)} / {list(pad_kv)}")
-            lengths = [y - x for x, y in zip(cu_q[:-1], cu_q[1:], strict=True)]
-            rooms = [y - x for x, y in zip(pad_q[:-1], pad_q[1:], strict=True)]
-            if len(cu_q) != len(pad_q) or len(cu_q) < 2 or cu_q[0] != 0 or pad_q[0] != 0 or any(
-                    n < 0 or n > room for n, room in zip(lengths, rooms, strict=False)):
-                raise ValueError(f"{what}: cu_seqlens_q {list(cu_q)} and cu_seqlens_q_padded {list(pad_q)} must both "
-                                 f"rise from 0, one entry per sequence boundary, each sequence no longer than its "
-                                 f"padded room")
-            total = pad_q[-1]
-            if total == 0 or total % cp_size or q.shape[0] < total // cp_size:
-                raise ValueError(f"{what}: q holds {q.shape[0]} tokens but the padded sequences hold {total} over "
-                                 f"{cp_size} rank(s), {total / cp_size:g} each; pass this rank's tokens of every "
-                                 f"sequence (TE's thd_get_partitioned_indices)")
-            segments = [part for n, room in zip(lengths, rooms, strict=True) for part in (n, room - n) if part > 0]
+            cu_q, _, pad_q, _ = _thd_boundaries(cu, cp_size)
+            side = cross.packed(what, "q", cu_q, pad_q, q.shape[0], cp_size)
+            segments = [part for n, room in zip(side.lengths, _rooms(pad_q), strict=True) for part in (n, room - n)
+                        if part > 0]
             causal = "causal" in mask_type
             if user_mask is not None:
                 mask = user_mask
@@ -559,7 +569,7 @@ class DotProductAttention(torch.nn.Module):
                                  f"each packed sequence is no cp.Mask yet); use sbhd / bshd, or pass mask=")
             else:
                 mask = cp.Mask.packed(segments, chunk=1 if causal else None)
-            return mask, (total, tuple(pad_q), tuple(zip(pad_q[:-1], lengths, strict=True)))
+            return mask, (side.total, tuple(pad_q), tuple(zip(side.starts, side.lengths, strict=True)))
         if "padding" in mask_type or mask_type == "arbitrary":
             raise ValueError(f"{what}: attn_mask_type={mask_type!r} with qkv_format={fmt.value!r} is not supported; "
                              f"for padded sequences use qkv_format='thd' with cu_seqlens, for any other mask pass "
@@ -570,35 +580,25 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} differ in length (cross attention): "
                              f"here it takes attn_mask_type 'no_mask' or 'causal' (top-left) only, got "
                              f"{mask_type!r} with window_size={window}" + ("" if user_mask is None else " and mask="))
-        return mask, (q.shape[s] * cp_size, bounds, None)
+        return mask, (q.shape[s] * cp_size, None, None)
 
     def _call(self, fmt: QKVFormat, mask: Any, plan_args: tuple[Any, ...], q: Any, route: _Route | None,
-              comm: CommType, facts: inputs.Facts | None) -> _Call:
+              facts: inputs.Facts | None) -> _Call:
         """The engine's path for this call, with its plan (under context parallelism the checked call's, ``facts``
         joining its cross-rank check)."""
         what = WHAT
         length, bounds, real = plan_args
         s, h, scale = fmt.seq_dim, fmt.head_dim, self.softmax_scale
-        group = self.cp_group
         cp_size = 1 if route is None else route.n
-        if route is not None:
-            for g in group if isinstance(group, list) else [group]:
-                if backend_for(g, q.device.type) is None:
-                    raise ValueError(f"{what}: the cp group's backend ({dist.get_backend(g)}) cannot carry tensors on "
-                                     f"{q.device.type}; move q, k and v to "
-                                     f"{'a GPU' if q.device.type == 'cpu' else 'the CPU'} or use a group of another "
-                                     f"backend")
-            if self.cp_global_ranks is not None and len(self.cp_global_ranks) != cp_size:
-                raise ValueError(f"{what}: cp_global_ranks={list(self.cp_global_ranks)} names "
-                                 f"{len(self.cp_global_ranks)} ranks but the cp group has {cp_size}")
         used = None if fmt is not QKVFormat.THD or q.shape[0] * cp_size == length else length // cp_size
+        transport = CommType(self.cp_comm_type).transport
         if route is None:  # one process: the whole sequence in order, any length
             plan, mine = None, torch.arange(length)
         else:
             if mask == cp.Mask.full() and bounds is None:  # no position matters: any even split, no 2 * cp rule
-                plan = cp.plan_dispatch(mask, length, cp_size, method=cp.Layout.CONTIGUOUS, transport=comm.transport)
+                plan = cp.plan_dispatch(mask, length, cp_size, method=cp.Layout.CONTIGUOUS, transport=transport)
             else:
-                plan = cp.plan_dual_chunk_swap(mask, length, cp_size, cu_seqlens=bounds, transport=comm.transport)
+                plan = cp.plan_dual_chunk_swap(mask, length, cp_size, cu_seqlens=bounds, transport=transport)
             mine = plan.index(route.rank)
         padding = None
         if real is not None:
@@ -623,14 +623,66 @@ class DotProductAttention(torch.nn.Module):
             causal = mask == cp.Mask.causal()
 
             def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
-                groups = q.shape[h] // k.shape[h]  # GQA: heads repeated, as the engine's one process does (torch
-                if groups > 1:                     # 2.4, this package's floor, has no enable_gqa)
-                    k, v = (x.repeat_interleave(groups, dim=h) for x in (k, v))
-                return cp.sdpa_in_layout(q, k, v, seq_dim=s, head_dim=h, is_causal=causal, scale=scale)
+                return cross.attend(q, k, v, s, h, scale, causal=causal)
         else:
             def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
                 return cp.ring_attention(q, k, v, None, mask=mask, seq_dim=s, head_dim=h, softmax_scale=scale)
         return _Call(attend, used, padding)
+
+
+def _check_unsupported(unsupported: tuple[Any, ...]) -> None:
+    """A ValueError naming every argument the engine does not support and what to pass instead."""
+    if unsupported:
+        fixes = {"attention_dropout": "set attention_dropout=0.0 (or call .eval())",
+                 "core_attention_bias_type": "use core_attention_bias_type='no_bias'",
+                 "fp8_output": "leave fp8_output False"}
+        raise ValueError(f"{WHAT}: cp's engine does not support "
+                         + "; ".join(f"{n}={_shown(val)}" + (f" ({fixes[n]})" if n in fixes else " (leave it None)")
+                                     for n, val in unsupported))
+
+
+def _check_route(q: Any, route: _Route | None, group: Any, global_ranks: Any) -> None:
+    """Under context parallelism: the group's backend carries q's device, and cp_global_ranks names its ranks."""
+    if route is None:
+        return
+    for g in group if isinstance(group, list) else [group]:
+        if backend_for(g, q.device.type) is None:
+            raise ValueError(f"{WHAT}: the cp group's backend ({dist.get_backend(g)}) cannot carry tensors on "
+                             f"{q.device.type}; move q, k and v to {'a GPU' if q.device.type == 'cpu' else 'the CPU'} "
+                             f"or use a group of another backend")
+    if global_ranks is not None and len(global_ranks) != route.n:
+        raise ValueError(f"{WHAT}: cp_global_ranks={list(global_ranks)} names {len(global_ranks)} ranks but the cp "
+                         f"group has {route.n}")
+
+
+def _rooms(pad: tuple[int, ...]) -> list[int]:
+    return [y - x for x, y in zip(pad[:-1], pad[1:], strict=True)]
+
+
+def _thd_boundaries(cu: tuple[Any, ...], cp_size: int) -> tuple[Any, Any, Any, Any]:
+    """thd's ``cu_seqlens_q``, ``cu_seqlens_kv`` and their padded forms (each the unpadded one when not given; under
+    context parallelism they must be given)."""
+    cu_q, cu_kv, pad_q, pad_kv = cu
+    if cu_q is None or cu_kv is None:
+        raise ValueError(f"{WHAT}: qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv")
+    if cp_size > 1 and (pad_q is None or pad_kv is None):
+        raise ValueError(f"{WHAT}: context parallelism with qkv_format='thd' needs cu_seqlens_q_padded and "
+                         f"cu_seqlens_kv_padded (each sequence padded to a multiple of 2 * cp = {2 * cp_size}; "
+                         f"pass cu_seqlens_q as cu_seqlens_q_padded when there is no padding)")
+    return cu_q, cu_kv, cu_q if pad_q is None else pad_q, cu_kv if pad_kv is None else pad_kv
+
+
+def _is_cross(fmt: QKVFormat, q: Any, k: Any, cu: tuple[Any, ...], route: _Route | None, attention_type: str) -> bool:
+    """Whether a call is cross attention for ``cp.cross``: thd whose k/v samples are bounded otherwise than q's, or
+    under context parallelism a cross attention or k/v of another length than q (one process attends sbhd / bshd
+    cross calls on the plain path)."""
+    if fmt is QKVFormat.THD and cu[0] is not None and cu[1] is not None:
+        cu_q, cu_kv, pad_q, pad_kv = cu
+        if cu_q != cu_kv or (cu_q if pad_q is None else pad_q) != (cu_kv if pad_kv is None else pad_kv):
+            return True
+    if route is None:
+        return False
+    return attention_type == "cross" or (fmt is not QKVFormat.THD and q.shape[fmt.seq_dim] != k.shape[fmt.seq_dim])
 
 
 __all__ = ["ATTENTION_TYPES", "CommType", "DotProductAttention", "EXTRA_PARAMETERS", "MASK_TYPES", "QKVFormat",

@@ -85,6 +85,10 @@ class DotProductAttention(te.DotProductAttention):
         if config.qk_clip or config.log_max_attention_logit:
             raise ValueError(f"{what}: qk_clip and log_max_attention_logit need the attention's largest logit, which "
                              f"cp's engine does not return; set both False in the TransformerConfig")
+        if attention_type == "cross" and mask is not None:
+            raise ValueError(f"{what}: mask={mask} applies to self attention only, and this is a cross attention; "
+                             f"build it without mask= (swap_core_attention(spec, mask=) gives the mask to the self "
+                             f"attentions only)")
         if pg_collection is None:
             tp_group = mps.get_tensor_model_parallel_group(check_initialized=False)
             cp_group = mps.get_context_parallel_group(check_initialized=False)
