@@ -7,7 +7,8 @@ and runs wherever torch.distributed runs (gloo on a CPU, NCCL on GPUs). Under co
 its tokens are in TE's layout: every sequence in ``2 * cp`` equal chunks, cp rank r holding chunks
 r and ``2 cp - 1 - r`` (DualChunkSwap; for ``thd`` per sequence over ``cu_seqlens_padded``), which
 ``cp.plan_dual_chunk_swap`` states as a plan; the engine attends by that plan, over the transport
-``cp_comm_type`` names. A mask that does not depend on positions (``no_mask``) takes any even split.
+``cp_comm_type`` names. A mask that does not depend on positions (``no_mask``) takes any even split. A cross
+attention (keys from another sequence: a prompt's text) gathers its short keys instead (``cp.cross``).
 
 Each distinct call is resolved once on each rank alone (checks, mask, plan, engine path: ``_CALLS``, no
 communication); under context parallelism its cross-rank check is the engine call's own, one round per call
@@ -233,8 +234,10 @@ class DotProductAttention(torch.nn.Module):
     ``thd`` the whole packed batch), used instead of ``attn_mask_type`` and ``window_size``.
     Not supported (each a ValueError naming it): dropout while training, attention bias and ALiBi,
     softmax types other than ``vanilla``, ``return_max_logit``, FP8, KV caching (``inference_params``),
-    ``score_mod``, the ``arbitrary`` mask (pass a ``cp.Mask``), ``padding`` masks on ``sbhd`` / ``bshd``
-    (use ``thd``) and, under context parallelism, cross attention.
+    ``score_mod``, the ``arbitrary`` mask (pass a ``cp.Mask``) and ``padding`` masks on ``sbhd`` / ``bshd``
+    (use ``thd``). Cross attention (k / v another sequence than q; thd: ``cu_seqlens_kv`` of their own), with and
+    without context parallelism: every query sees every key of its sample (``cp.cross``; under context
+    parallelism the keys are gathered over the cp group whatever ``cp_comm_type``).
     """
 
     def __init__(
