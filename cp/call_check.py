@@ -80,6 +80,7 @@ class Method(parallel_state.StrEnum):
     RING = "the ring"    # ring_attention: K/V by the plan's transport
     ULYSSES = "Ulysses"  # ulysses_attention (usp without a ring): one all-to-all, then every token on each rank
     USP = "usp"          # usp_attention: Ulysses' all-to-all, then the ring over the ring group
+    CROSS = "the cross attention's gather"  # cp.cross: K/V gathered whole, each query to its sample's keys
 
 
 _METHODS = list(Method)

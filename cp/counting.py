@@ -3,7 +3,8 @@
 ``with cp.count_attention() as count:`` records, for every call of the engine (``cp.engine``: every
 ``ring_attention``, and ``ulysses_attention`` / ``usp_attention`` with ``mask=`` or ``plan=``) made
 in this thread inside the block, forward and backward alike and for every transport, what this
-rank actually computed and sent.
+rank actually computed and sent; a face's cross-attention call (``cp.cross``) adds its forward pairs and
+one call (its gather's bytes are not counted).
 It exists so that a test or a benchmark can check the plan's figures against the work done: for
 the ring, ``count.pairs == batch * query heads * plan.work[rank]``. Outside such a block the cost
 is one list lookup per call.

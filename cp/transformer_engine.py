@@ -7,7 +7,8 @@ and runs wherever torch.distributed runs (gloo on a CPU, NCCL on GPUs). Under co
 its tokens are in TE's layout: every sequence in ``2 * cp`` equal chunks, cp rank r holding chunks
 r and ``2 cp - 1 - r`` (DualChunkSwap; for ``thd`` per sequence over ``cu_seqlens_padded``), which
 ``cp.plan_dual_chunk_swap`` states as a plan; the engine attends by that plan, over the transport
-``cp_comm_type`` names. A mask that does not depend on positions (``no_mask``) takes any even split.
+``cp_comm_type`` names. A mask that does not depend on positions (``no_mask``) takes any even split. A cross
+attention (keys from another sequence: a prompt's text) gathers its short keys instead (``cp.cross``).
 
 Each distinct call is resolved once on each rank alone (checks, mask, plan, engine path: ``_CALLS``, no
 communication); under context parallelism its cross-rank check is the engine call's own, one round per call
@@ -20,14 +21,14 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, NoReturn, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 import cp
 import parallel_state
-from cp import call_check, inputs
+from cp import call_check, cross, inputs
 from cp.attention import masked_ulysses
 from cp.comm import backend_for
 from cp.ring import masked_ring
@@ -156,6 +157,18 @@ class _Call:
     used: int | None          # thd: the tokens before the tail (None: all)
     padding: torch.Tensor | None  # thd: True at this rank's padding tokens ([t, 1, 1]), None when there are none
 
+    def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The attention of this rank's q, k, v, heads flattened: 0 at padding and after the last sequence."""
+        q, k, v = query, key, value
+        if self.used is not None:  # thd: the tail after the last sequence attends nothing (its output is 0)
+            q, k, v = q[:self.used], k[:self.used], v[:self.used]
+        out = self.attend(q, k, v)
+        if self.padding is not None:
+            out = out.masked_fill(self.padding, 0)
+        if self.used is not None:
+            out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, query.shape[0] - self.used))
+        return out.flatten(-2)
+
 
 #: Calls resolved so far by this process, shared by every layer (a model's layers make the same few calls). Only
 #: this rank's own work: a rank that resolves a call again (forgotten, or in another process) makes the same one.
@@ -208,9 +221,9 @@ class _Route:
 
 
 def _route(comm: CommType, group: Any) -> _Route | None:
-    """The route of a call under ``cp_comm_type`` over ``cp_group`` (``[a2a, p2p]`` for a2a+p2p: cp rank = p2p rank x
+    """The route of a call under ``cp_comm_type`` over ``cp_group`` (``(a2a, p2p)`` for a2a+p2p: cp rank = p2p rank x
     a2a size + a2a rank, as usp_attention takes it); None where context parallelism is off."""
-    if isinstance(group, list):
+    if isinstance(group, tuple):
         a2a, p2p = group
         u, r = a2a.size(), p2p.size()
         if u * r == 1:
@@ -233,8 +246,10 @@ class DotProductAttention(torch.nn.Module):
     ``thd`` the whole packed batch), used instead of ``attn_mask_type`` and ``window_size``.
     Not supported (each a ValueError naming it): dropout while training, attention bias and ALiBi,
     softmax types other than ``vanilla``, ``return_max_logit``, FP8, KV caching (``inference_params``),
-    ``score_mod``, the ``arbitrary`` mask (pass a ``cp.Mask``), ``padding`` masks on ``sbhd`` / ``bshd``
-    (use ``thd``) and, under context parallelism, cross attention.
+    ``score_mod``, the ``arbitrary`` mask (pass a ``cp.Mask``) and ``padding`` masks on ``sbhd`` / ``bshd``
+    (use ``thd``). Cross attention (k / v another sequence than q; thd: ``cu_seqlens_kv`` of their own), with and
+    without context parallelism: every query sees every key of its sample (``cp.cross``; under context
+    parallelism the keys are gathered over the cp group whatever ``cp_comm_type``).
     """
 
     def __init__(
@@ -266,15 +281,8 @@ class DotProductAttention(torch.nn.Module):
     ) -> None:
         super().__init__()
         what = "DotProductAttention"
-        for arg, value in (("num_attention_heads", num_attention_heads), ("num_gqa_groups", num_gqa_groups),
-                           ("tp_size", tp_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{what}: {arg} must be a positive int, got {value!r}")
-        channels = (kv_channels, kv_channels) if isinstance(kv_channels, int) else kv_channels
-        if (not isinstance(channels, (tuple, list)) or len(channels) != 2
-                or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in channels)):
-            raise ValueError(f"{what}: kv_channels must be a positive int or a pair (k head size, v head size), got "
-                             f"{kv_channels!r}")
+        channels = _check_sizes(what, num_attention_heads, kv_channels, num_gqa_groups, tp_size)
+        _check_options(what, attention_type, attention_dropout, softmax_type, return_max_logit, mask)
         self.qkv_format = _qkv_format(what, qkv_format).value
         self.attn_mask_type = _mask_type(what, attn_mask_type)
         self.window_size = check_window_size(self.attn_mask_type, window_size)
@@ -287,34 +295,13 @@ class DotProductAttention(torch.nn.Module):
         self.layer_number = 1 if layer_number is None else layer_number
         self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v = channels
         self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
-        if num_attention_heads % self.num_gqa_groups:
-            raise ValueError(f"{what}: num_attention_heads={num_attention_heads} must be divisible by "
-                             f"num_gqa_groups={self.num_gqa_groups}")
         self.num_gqa_groups_per_partition = self.num_gqa_groups // self.tp_size
-        if attention_type not in ATTENTION_TYPES:
-            raise ValueError(f"{what}: attention_type={attention_type!r} is not one of {ATTENTION_TYPES}")
         self.attention_type = attention_type
-        if isinstance(attention_dropout, bool) or not isinstance(attention_dropout, (int, float)) \
-                or not 0 <= attention_dropout <= 1:
-            raise ValueError(f"{what}: attention_dropout must be a probability in [0, 1], got {attention_dropout!r}")
         self.attention_dropout = attention_dropout
-        if softmax_type != "vanilla":
-            raise ValueError(f"{what}: softmax_type={softmax_type!r} (sink attention) is not supported by cp's "
-                             f"engine; use softmax_type='vanilla'")
         self.softmax_type, self.softmax_offset = softmax_type, None
-        if return_max_logit:
-            raise ValueError(f"{what}: return_max_logit=True is not supported by cp's engine; leave it False")
         self.return_max_logit = False
-        if softmax_scale is None:
-            softmax_scale = 1.0 / math.sqrt(channels[0])
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
-            raise ValueError(f"{what}: softmax_scale must be a positive number or None (1/sqrt(k head size)), got "
-                             f"{softmax_scale!r}")
-        self.softmax_scale = float(softmax_scale)
+        self.softmax_scale = _softmax_scale(what, softmax_scale, channels[0])
         self.name = name
-        if mask is not None and not isinstance(mask, cp.Mask):
-            raise TypeError(f"{what}: mask must be a cp.Mask or None, got {type(mask).__name__}; build one with "
-                            f"cp.Mask.chunk_causal(chunk), cp.Mask.token_window(left, right), ...")
         self.mask = mask
         self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
@@ -389,249 +376,415 @@ class DotProductAttention(torch.nn.Module):
         and the output (and every gradient) is 0 at padding tokens. ``max_seqlen_*``, ``bottom_right_diagonal`` (the
         same for self attention), ``checkpoint_core_attention`` (the backward recomputes anyway), ``fast_zero_fill``,
         ``pad_between_seqs`` and ``num_splits`` are accepted and need nothing."""
-        unsupported: tuple[tuple[str, Any], ...] = ()
-        if (core_attention_bias_type != "no_bias" or fp8_output or (self.training and self.attention_dropout > 0)
-                or any(x is not None for x in (core_attention_bias, alibi_slopes, inference_params, score_mod,
-                                               score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors))):
-            unsupported = tuple((name, value) for name, value, ok in (
-                ("core_attention_bias_type", core_attention_bias_type, core_attention_bias_type == "no_bias"),
-                ("core_attention_bias", core_attention_bias, core_attention_bias is None),
-                ("alibi_slopes", alibi_slopes, alibi_slopes is None),
-                ("inference_params", inference_params, inference_params is None),
-                ("score_mod", score_mod, score_mod is None), ("score_mod_bprop", score_mod_bprop, score_mod_bprop is None),
-                ("score_mod_tensors", score_mod_tensors, score_mod_tensors is None),
-                ("score_mod_bprop_tensors", score_mod_bprop_tensors, score_mod_bprop_tensors is None),
-                ("fp8_output", fp8_output, not fp8_output),
-                ("attention_dropout", self.attention_dropout, not (self.training and self.attention_dropout > 0)))
-                if not ok)
+        unsupported = _unsupported((core_attention_bias_type, core_attention_bias, alibi_slopes, inference_params,
+                                    score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors, fp8_output,
+                                    self.attention_dropout if self.training else 0.0))
         fmt = self.qkv_format if qkv_format is None else qkv_format
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         window = self.window_size if window_size is None else window_size
+        settings = self._settings()
         cu: tuple[Any, ...] = ()
         if fmt == "thd":
             try:
                 cu = _cu_values((cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded),
                                 ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"))
             except (TypeError, ValueError) as exc:
-                self._refuse(exc)
+                _refuse(settings, exc)
+        call = _cached_call(settings, fmt, mask_type, window, unsupported, cu, query_layer, key_layer, value_layer)
+        return call.run(query_layer, key_layer, value_layer)
+
+    def _settings(self) -> Settings:
+        """What a call reads of this module's settings, as they are now."""
         group = tuple(self.cp_group) if isinstance(self.cp_group, list) else self.cp_group
-        if not all(isinstance(t, torch.Tensor) for t in (query_layer, key_layer, value_layer)):
-            self._resolve(fmt, mask_type, window, unsupported, cu, query_layer, key_layer, value_layer)  # raises
-        key = (group, fmt, mask_type, window, self.mask, unsupported, query_layer.shape, key_layer.shape,
-               value_layer.shape, query_layer.dtype, key_layer.dtype, value_layer.dtype, query_layer.device,
-               key_layer.device, value_layer.device, cu, self.cp_comm_type,
-               self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head_k,
-               self.hidden_size_per_attention_head_v, self.softmax_scale, self.attention_type,
-               None if self.cp_global_ranks is None else len(self.cp_global_ranks))
-        call = _CALLS.get(key)
-        if call is None:
-            call = self._resolve(fmt, mask_type, window, unsupported, cu, query_layer, key_layer, value_layer)
-            if len(_CALLS) >= _MAX_CALLS:
-                _CALLS.clear()
-            _CALLS[key] = call
-        q, k, v = query_layer, key_layer, value_layer
-        if call.used is not None:  # thd: the tail after the last sequence attends nothing (its output is 0)
-            q, k, v = q[:call.used], k[:call.used], v[:call.used]
-        out = call.attend(q, k, v)
-        if call.padding is not None:
-            out = out.masked_fill(call.padding, 0)
-        if call.used is not None:
-            out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, query_layer.shape[0] - call.used))
-        return out.flatten(-2)
+        return Settings(self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v,
+                        self.num_gqa_groups_per_partition, self.softmax_scale, self.attention_type, self.mask,
+                        self.cp_comm_type, group, None if self.cp_global_ranks is None else tuple(self.cp_global_ranks))
 
-    def _resolve(self, fmt_name: Any, mask_type: Any, window: Any, unsupported: tuple[Any, ...],
+
+# ----------------------------------------------------------------------------- the constructor's checks
+
+
+def _check_sizes(what: str, heads: Any, kv_channels: Any, gqa_groups: Any, tp_size: Any) -> tuple[int, int]:
+    """The head counts and sizes, checked: the (k, v) head sizes."""
+    for arg, value in (("num_attention_heads", heads), ("num_gqa_groups", gqa_groups), ("tp_size", tp_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{what}: {arg} must be a positive int, got {value!r}")
+    channels = (kv_channels, kv_channels) if isinstance(kv_channels, int) else kv_channels
+    if (not isinstance(channels, (tuple, list)) or len(channels) != 2
+            or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in channels)):
+        raise ValueError(f"{what}: kv_channels must be a positive int or a pair (k head size, v head size), got "
+                         f"{kv_channels!r}")
+    groups = heads if gqa_groups is None else gqa_groups
+    if heads % groups:
+        raise ValueError(f"{what}: num_attention_heads={heads} must be divisible by num_gqa_groups={groups}")
+    return channels[0], channels[1]
+
+
+def _check_options(what: str, attention_type: Any, dropout: Any, softmax_type: Any, return_max_logit: Any,
+                   mask: Any) -> None:
+    """The attention's kind and the options cp's engine does not take."""
+    if attention_type not in ATTENTION_TYPES:
+        raise ValueError(f"{what}: attention_type={attention_type!r} is not one of {ATTENTION_TYPES}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout <= 1:
+        raise ValueError(f"{what}: attention_dropout must be a probability in [0, 1], got {dropout!r}")
+    if softmax_type != "vanilla":
+        raise ValueError(f"{what}: softmax_type={softmax_type!r} (sink attention) is not supported by cp's "
+                         f"engine; use softmax_type='vanilla'")
+    if return_max_logit:
+        raise ValueError(f"{what}: return_max_logit=True is not supported by cp's engine; leave it False")
+    if mask is not None and not isinstance(mask, cp.Mask):
+        raise TypeError(f"{what}: mask must be a cp.Mask or None, got {type(mask).__name__}; build one with "
+                        f"cp.Mask.chunk_causal(chunk), cp.Mask.token_window(left, right), ...")
+
+
+def _softmax_scale(what: str, softmax_scale: Any, k_size: int) -> float:
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(k_size)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
+        raise ValueError(f"{what}: softmax_scale must be a positive number or None (1/sqrt(k head size)), got "
+                         f"{softmax_scale!r}")
+    return float(softmax_scale)
+
+
+# ----------------------------------------------------------------------------- a call, resolved (pure) and run
+
+
+class Settings(NamedTuple):
+    """What a call reads of the face's settings: head sizes, K/V heads per tensor-parallel rank, the scale, the
+    attention type, ``mask=``, the comm type, the cp group (a tuple for ``[a2a, p2p]``) and ``cp_global_ranks``."""
+
+    k_size: int
+    v_size: int
+    kv_heads: int
+    scale: float
+    attention_type: str
+    mask: Any
+    comm: str
+    group: Any
+    global_ranks: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class PlanArgs:
+    """A self attention's layout: the whole length, the padded sequence boundaries and the real tokens' (start,
+    length) of each sequence (thd; None otherwise)."""
+
+    length: int
+    bounds: tuple[int, ...] | None = None
+    real: tuple[tuple[int, int], ...] | None = None
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """One distinct call, resolved by ``resolve``: its format, comm type, route (None: one process) and the face's
+    arguments for the cross-rank check; a self attention's mask and plan arguments, or a cross attention's call."""
+
+    fmt: QKVFormat
+    comm: CommType
+    route: _Route | None
+    facts: inputs.Facts | None
+    mask: Any = None
+    plan: PlanArgs | None = None
+    cross: cross.CrossCall | None = None
+
+
+def resolve(settings: Settings, fmt_name: Any, mask_type: Any, window: Any, unsupported: tuple[Any, ...],
+            cu: tuple[Any, ...], q: Any, k: Any, v: Any) -> Resolved:
+    """A call of the face with ``settings`` on q, k, v (and thd's ``cu_seqlens`` values), resolved on this rank alone:
+    every check (a TypeError / ValueError naming what to change), the mask and plan arguments or the cross call.
+    No communication and no state: the same arguments give the same value on any rank."""
+    comm = CommType(settings.comm)
+    route = _route(comm, settings.group)
+    fmt = _qkv_format(WHAT, fmt_name)
+    _check_unsupported(unsupported)
+    mask_type = _mask_type(WHAT, mask_type)
+    window = check_window_size(mask_type, window)
+    _check_tensors(settings, fmt, q, k, v)
+    _check_route(q, route, settings.group, settings.global_ranks)
+    if _is_cross(fmt, q, k, cu, route, settings.attention_type):
+        facts = _facts(settings, fmt, f"cross {mask_type}", comm, q, k, v, cu, route)
+        return Resolved(fmt, comm, route, facts,
+                        cross=_cross(settings, fmt, mask_type, window, cu, q, k, v, route, facts))
+    mask, plan = _self_attention(settings, fmt, mask_type, window, q, k, cu, route, comm)
+    return Resolved(fmt, comm, route, _facts(settings, fmt, str(mask), comm, q, k, v, cu, route), mask, plan)
+
+
+def _cached_call(settings: Settings, fmt: Any, mask_type: Any, window: Any, unsupported: tuple[Any, ...],
                  cu: tuple[Any, ...], q: Any, k: Any, v: Any) -> _Call:
-        """One distinct call, on this rank alone (no communication): every check, the mask and plan, the engine's
-        path. Under context parallelism a bad input becomes this rank's part of the check the other ranks' engine
-        calls run (``cp.call_check.refuse``): every rank raises, naming this rank and what to change."""
-        comm = CommType(self.cp_comm_type)
-        route = _route(comm, self.cp_group)
-        try:
-            fmt = _qkv_format(WHAT, fmt_name)
-            mask, plan_args = self._mask(fmt, mask_type, window, unsupported, q, k, v, cu, route, comm)
-            facts = None if route is None else inputs.Facts(tuple(zip(_FIELDS, (
-                fmt.value, str(mask), comm.value, tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype), cu,
-                self.softmax_scale), strict=True)))
-            return self._call(fmt, mask, plan_args, q, route, comm, facts)
-        except (TypeError, ValueError) as exc:
-            self._refuse(exc)
+    """The call for these arguments: ``_CALLS``' entry, else resolved (and remembered)."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        _resolve_call(settings, fmt, mask_type, window, unsupported, cu, q, k, v)  # raises
+    key = (settings, fmt, mask_type, window, unsupported, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+           q.device, k.device, v.device, cu)
+    call = _CALLS.get(key)
+    if call is None:
+        call = _resolve_call(settings, fmt, mask_type, window, unsupported, cu, q, k, v)
+        if len(_CALLS) >= _MAX_CALLS:
+            _CALLS.clear()
+        _CALLS[key] = call
+    return call
 
-    def _refuse(self, error: Exception) -> NoReturn:
-        """Raise ``error``, a bad input found on this rank alone: as it is without context parallelism, else through
-        this rank's part in the call's cross-rank check (``cp.call_check.refuse``), so that every rank raises (the
-        others naming this rank and the reason) before any K/V moves."""
-        route = _route(CommType(self.cp_comm_type), self.cp_group)
-        if route is None:
-            raise error
-        reason = str(error).removeprefix(f"{WHAT}: ").removeprefix("DotProductAttention: ")
-        call_check.refuse(WHAT, reason, route.group, route.ring_group)
 
-    def _mask(self, fmt: QKVFormat, mask_type: str, window: Any, unsupported: tuple[Any, ...], q: Any, k: Any,
-              v: Any, cu: tuple[Any, ...], route: _Route | None, comm: CommType) -> tuple[Any, tuple[Any, ...]]:
-        """Check q, k, v and the settings; the mask over the whole sequence and the plan's layout arguments
-        (whole length, the padded sequence boundaries, the real tokens' boundaries)."""
-        what = WHAT
-        cp_size = 1 if route is None else route.n
-        user_mask = self.mask
-        if unsupported:
-            fixes = {"attention_dropout": "set attention_dropout=0.0 (or call .eval())",
-                     "core_attention_bias_type": "use core_attention_bias_type='no_bias'",
-                     "fp8_output": "leave fp8_output False"}
-            raise ValueError(f"{what}: cp's engine does not support "
-                             + "; ".join(f"{n}={_shown(val)}" + (f" ({fixes[n]})" if n in fixes else " (leave it None)")
-                                         for n, val in unsupported))
-        mask_type = _mask_type(what, mask_type)
-        window = check_window_size(mask_type, window)
-        tensors = (("query_layer", q), ("key_layer", k), ("value_layer", v))
-        for name, t in tensors:
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dim() != fmt.ndim:
-                raise ValueError(f"{what}: {name} has shape {tuple(t.shape)}; qkv_format={fmt.value!r} needs "
-                                 f"{fmt.ndim} dims ({fmt.value})")
-        if len({t.dtype for _, t in tensors}) != 1 or len({t.device for _, t in tensors}) != 1:
-            raise ValueError(f"{what}: queries, keys and values must have the same dtype and device; got "
-                             + ", ".join(f"{n} {t.dtype} on {t.device}" for n, t in tensors))
-        if not q.dtype.is_floating_point:
-            raise TypeError(f"{what}: q, k and v have dtype {q.dtype}; attention needs a floating-point dtype")
-        if k.shape[:-1] != v.shape[:-1]:
-            raise ValueError(f"{what}: keys {tuple(k.shape)} and values {tuple(v.shape)} must have the same batch "
-                             f"size, sequence length and number of heads")
-        dk, dv = self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v
-        if q.shape[-1] != dk or k.shape[-1] != dk or v.shape[-1] != dv:
-            raise ValueError(f"{what}: head sizes q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]} differ from "
-                             f"kv_channels=({dk}, {dv})")
-        heads, kv_heads = q.shape[-2], k.shape[-2]
-        if kv_heads != self.num_gqa_groups_per_partition:
-            raise ValueError(f"{what}: keys and values must have num_gqa_groups / tp_size = "
-                             f"{self.num_gqa_groups_per_partition} heads, found {kv_heads}")
-        if heads % kv_heads:
-            raise ValueError(f"{what}: q's {heads} heads are not divisible by the {kv_heads} K/V heads (GQA groups)")
-        s = fmt.seq_dim
-        batch_q = q.shape[1 - s] if fmt is not QKVFormat.THD else None
-        if fmt is not QKVFormat.THD and batch_q != k.shape[1 - s]:
-            raise ValueError(f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} have different batch sizes")
-        if cp_size > 1:
-            if self.attention_type == "cross" or q.shape[s] != k.shape[s]:
-                raise ValueError(f"{what}: context parallelism needs self attention (q and k/v the same tokens); got "
-                                 f"attention_type={self.attention_type!r}, q {tuple(q.shape)}, k {tuple(k.shape)}; "
-                                 f"leave the cross attention's cp_group None")
-            a2a = cp_size if comm is CommType.A2A else self.cp_group[0].size() if comm is CommType.A2A_P2P else 1
-            if heads % a2a:
-                raise ValueError(f"{what}: cp_comm_type={comm.value!r} scatters heads over {a2a} ranks, but q has "
-                                 f"{heads} heads; use a head count divisible by {a2a}, or cp_comm_type='p2p'")
-        bounds = None
-        if fmt is QKVFormat.THD:
-            if "padding" not in mask_type:
-                raise ValueError(f"{what}: qkv_format='thd' needs attn_mask_type 'padding' or 'padding_causal' (each "
-                                 f"packed sequence attends only to itself), got {mask_type!r}")
-            cu_q, cu_kv, pad_q, pad_kv = cu
-            if cu_q is None or cu_kv is None:
-                raise ValueError(f"{what}: qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv")
-            if cp_size > 1 and (pad_q is None or pad_kv is None):
-                raise ValueError(f"{what}: context parallelism with qkv_format='thd' needs cu_seqlens_q_padded and "
-                                 f"cu_seqlens_kv_padded (each sequence padded to a multiple of 2 * cp = {2 * cp_size}; "
-                                 f"pass cu_seqlens_q as cu_seqlens_q_padded when there is no padding)")
-            pad_q = cu_q if pad_q is None else pad_q
-            pad_kv = cu_kv if pad_kv is None else pad_kv
-            if cu_q != cu_kv or pad_q != pad_kv:
-                raise ValueError(f"{what}: qkv_format='thd' here is self attention: cu_seqlens_kv (and its padded "
-                                 f"form) must equal cu_seqlens_q's; got {list(cu_q)} / {list(cu_kv)}, padded "
-                                 f"{list(pad_q)} / {list(pad_kv)}")
-            lengths = [y - x for x, y in zip(cu_q[:-1], cu_q[1:], strict=True)]
-            rooms = [y - x for x, y in zip(pad_q[:-1], pad_q[1:], strict=True)]
-            if len(cu_q) != len(pad_q) or len(cu_q) < 2 or cu_q[0] != 0 or pad_q[0] != 0 or any(
-                    n < 0 or n > room for n, room in zip(lengths, rooms, strict=False)):
-                raise ValueError(f"{what}: cu_seqlens_q {list(cu_q)} and cu_seqlens_q_padded {list(pad_q)} must both "
-                                 f"rise from 0, one entry per sequence boundary, each sequence no longer than its "
-                                 f"padded room")
-            total = pad_q[-1]
-            if total == 0 or total % cp_size or q.shape[0] < total // cp_size:
-                raise ValueError(f"{what}: q holds {q.shape[0]} tokens but the padded sequences hold {total} over "
-                                 f"{cp_size} rank(s), {total / cp_size:g} each; pass this rank's tokens of every "
-                                 f"sequence (TE's thd_get_partitioned_indices)")
-            segments = [part for n, room in zip(lengths, rooms, strict=True) for part in (n, room - n) if part > 0]
-            causal = "causal" in mask_type
-            if user_mask is not None:
-                mask = user_mask
-            elif window not in ((-1, -1), (-1, 0)):
-                raise ValueError(f"{what}: window_size={window} with qkv_format='thd' is not supported (a window inside "
-                                 f"each packed sequence is no cp.Mask yet); use sbhd / bshd, or pass mask=")
-            else:
-                mask = cp.Mask.packed(segments, chunk=1 if causal else None)
-            return mask, (total, tuple(pad_q), tuple(zip(pad_q[:-1], lengths, strict=True)))
-        if "padding" in mask_type or mask_type == "arbitrary":
-            raise ValueError(f"{what}: attn_mask_type={mask_type!r} with qkv_format={fmt.value!r} is not supported; "
-                             f"for padded sequences use qkv_format='thd' with cu_seqlens, for any other mask pass "
-                             f"mask=cp.Mask... to the constructor")
-        mask = user_mask if user_mask is not None else _window_mask(window)
-        if q.shape[s] != k.shape[s] and not (mask == cp.Mask.full() or (
-                mask == cp.Mask.causal() and user_mask is None and "bottom_right" not in mask_type)):
-            raise ValueError(f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} differ in length (cross attention): "
-                             f"here it takes attn_mask_type 'no_mask' or 'causal' (top-left) only, got "
-                             f"{mask_type!r} with window_size={window}" + ("" if user_mask is None else " and mask="))
-        return mask, (q.shape[s] * cp_size, bounds, None)
+def _resolve_call(settings: Settings, fmt: Any, mask_type: Any, window: Any, unsupported: tuple[Any, ...],
+                  cu: tuple[Any, ...], q: Any, k: Any, v: Any) -> _Call:
+    """``resolve`` and the engine's path for it. Under context parallelism a bad input becomes this rank's part of
+    the check the other ranks' engine calls run (``cp.call_check.refuse``): every rank raises, naming this rank and
+    what to change."""
+    try:
+        resolved = resolve(settings, fmt, mask_type, window, unsupported, cu, q, k, v)
+        if resolved.cross is not None:
+            return _Call(resolved.cross.run, None, None)
+        return _engine_call(resolved, settings.scale, q)
+    except (TypeError, ValueError) as exc:
+        _refuse(settings, exc)
 
-    def _call(self, fmt: QKVFormat, mask: Any, plan_args: tuple[Any, ...], q: Any, route: _Route | None,
-              comm: CommType, facts: inputs.Facts | None) -> _Call:
-        """The engine's path for this call, with its plan (under context parallelism the checked call's, ``facts``
-        joining its cross-rank check)."""
-        what = WHAT
-        length, bounds, real = plan_args
-        s, h, scale = fmt.seq_dim, fmt.head_dim, self.softmax_scale
-        group = self.cp_group
-        cp_size = 1 if route is None else route.n
-        if route is not None:
-            for g in group if isinstance(group, list) else [group]:
-                if backend_for(g, q.device.type) is None:
-                    raise ValueError(f"{what}: the cp group's backend ({dist.get_backend(g)}) cannot carry tensors on "
-                                     f"{q.device.type}; move q, k and v to "
-                                     f"{'a GPU' if q.device.type == 'cpu' else 'the CPU'} or use a group of another "
-                                     f"backend")
-            if self.cp_global_ranks is not None and len(self.cp_global_ranks) != cp_size:
-                raise ValueError(f"{what}: cp_global_ranks={list(self.cp_global_ranks)} names "
-                                 f"{len(self.cp_global_ranks)} ranks but the cp group has {cp_size}")
-        used = None if fmt is not QKVFormat.THD or q.shape[0] * cp_size == length else length // cp_size
-        if route is None:  # one process: the whole sequence in order, any length
-            plan, mine = None, torch.arange(length)
-        else:
-            if mask == cp.Mask.full() and bounds is None:  # no position matters: any even split, no 2 * cp rule
-                plan = cp.plan_dispatch(mask, length, cp_size, method=cp.Layout.CONTIGUOUS, transport=comm.transport)
-            else:
-                plan = cp.plan_dual_chunk_swap(mask, length, cp_size, cu_seqlens=bounds, transport=comm.transport)
-            mine = plan.index(route.rank)
-        padding = None
-        if real is not None:
-            pad = torch.ones(length, dtype=torch.bool)
-            for start, n in real:
-                pad[start:start + n] = False
-            if bool(pad.any()):
-                padding = pad[mine].view(-1, 1, 1).to(q.device)
-        if route is not None:  # the engine's masked path, as ring / ulysses / usp_attention(plan=) take it
-            run, on = route.attend, route
-            # The first call is checked in full; later ones share its key (shapes, dtypes, devices), so its checks.
-            checked: list[inputs.Call] = []
 
-            def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
-                if checked:
-                    return run(checked[0].on(q, k, v))
-                checked.append(inputs.masked_call(what, q, k, v, on.group, causal=False, mask=None, plan=plan,
-                                                  length=None, seq_dim=s, head_dim=h, softmax_scale=scale, n=on.n,
-                                                  rank=on.rank, ring_group=on.ring_group, facts=facts))
-                return run(checked[0])
-        elif mask == cp.Mask.full() or (mask == cp.Mask.causal() and fmt is not QKVFormat.THD):
+def _refuse(settings: Settings, error: Exception) -> NoReturn:
+    """Raise ``error``, a bad input found on this rank alone: as it is without context parallelism, else through
+    this rank's part in the call's cross-rank check (``cp.call_check.refuse``), so that every rank raises (the
+    others naming this rank and the reason) before any K/V moves."""
+    route = _route(CommType(settings.comm), settings.group)
+    if route is None:
+        raise error
+    reason = str(error).removeprefix(f"{WHAT}: ").removeprefix("DotProductAttention: ")
+    call_check.refuse(WHAT, reason, route.group, route.ring_group)
+
+
+#: TE's forward arguments cp's engine does not take, in forward's order: each with the test of its neutral value
+#: and the fix a message names (None: leave it None). attention_dropout: its value while training, else 0.
+_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str | None], ...] = (
+    ("core_attention_bias_type", lambda x: x == "no_bias", "use core_attention_bias_type='no_bias'"),
+    *((name, lambda x: x is None, None) for name in ("core_attention_bias", "alibi_slopes", "inference_params",
+                                                     "score_mod", "score_mod_bprop", "score_mod_tensors",
+                                                     "score_mod_bprop_tensors")),
+    ("fp8_output", lambda x: not x, "leave fp8_output False"),
+    ("attention_dropout", lambda x: not x > 0, "set attention_dropout=0.0 (or call .eval())"),
+)
+
+
+def _unsupported(values: tuple[Any, ...]) -> tuple[tuple[str, Any], ...]:
+    """(name, value) of each argument in ``_UNSUPPORTED``'s order whose value the engine does not take."""
+    return tuple((name, x) for (name, neutral, _), x in zip(_UNSUPPORTED, values, strict=True) if not neutral(x))
+
+
+def _check_unsupported(unsupported: tuple[Any, ...]) -> None:
+    """A ValueError naming every argument the engine does not support and what to pass instead."""
+    if unsupported:
+        fixes = {name: fix for name, _, fix in _UNSUPPORTED}
+        raise ValueError(f"{WHAT}: cp's engine does not support "
+                         + "; ".join(f"{n}={_shown(val)} ({fixes[n] or 'leave it None'})" for n, val in unsupported))
+
+
+def _facts(settings: Settings, fmt: QKVFormat, mask: str, comm: CommType, q: Any, k: Any, v: Any,
+           cu: tuple[Any, ...], route: _Route | None) -> inputs.Facts | None:
+    """The face's arguments every rank's call is compared by (None without context parallelism)."""
+    if route is None:
+        return None
+    return inputs.Facts(tuple(zip(_FIELDS, (fmt.value, mask, comm.value, tuple(q.shape), tuple(k.shape),
+                                            tuple(v.shape), str(q.dtype), cu, settings.scale), strict=True)))
+
+
+def _check_tensors(settings: Settings, fmt: QKVFormat, q: Any, k: Any, v: Any) -> None:
+    """q, k and v against the format and the face's head counts and sizes."""
+    what = WHAT
+    tensors = (("query_layer", q), ("key_layer", k), ("value_layer", v))
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != fmt.ndim:
+            raise ValueError(f"{what}: {name} has shape {tuple(t.shape)}; qkv_format={fmt.value!r} needs "
+                             f"{fmt.ndim} dims ({fmt.value})")
+    if len({t.dtype for _, t in tensors}) != 1 or len({t.device for _, t in tensors}) != 1:
+        raise ValueError(f"{what}: queries, keys and values must have the same dtype and device; got "
+                         + ", ".join(f"{n} {t.dtype} on {t.device}" for n, t in tensors))
+    if not q.dtype.is_floating_point:
+        raise TypeError(f"{what}: q, k and v have dtype {q.dtype}; attention needs a floating-point dtype")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"{what}: keys {tuple(k.shape)} and values {tuple(v.shape)} must have the same batch "
+                         f"size, sequence length and number of heads")
+    dk, dv = settings.k_size, settings.v_size
+    if q.shape[-1] != dk or k.shape[-1] != dk or v.shape[-1] != dv:
+        raise ValueError(f"{what}: head sizes q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]} differ from "
+                         f"kv_channels=({dk}, {dv})")
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    if kv_heads != settings.kv_heads:
+        raise ValueError(f"{what}: keys and values must have num_gqa_groups / tp_size = {settings.kv_heads} heads, "
+                         f"found {kv_heads}")
+    if heads % kv_heads:
+        raise ValueError(f"{what}: q's {heads} heads are not divisible by the {kv_heads} K/V heads (GQA groups)")
+    s = fmt.seq_dim
+    if fmt is not QKVFormat.THD and q.shape[1 - s] != k.shape[1 - s]:
+        raise ValueError(f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} have different batch sizes")
+
+
+def _cross(settings: Settings, fmt: QKVFormat, mask_type: str, window: Any, cu: tuple[Any, ...], q: Any, k: Any,
+           v: Any, route: _Route | None, facts: inputs.Facts | None) -> cross.CrossCall:
+    """A cross call (``cp.cross``): each query to every key of its sample; under context parallelism the keys
+    gathered over the cp group, whatever ``cp_comm_type``."""
+    what = WHAT
+    n = 1 if route is None else route.n
+    if settings.mask is not None:
+        raise ValueError(f"{what}: mask={settings.mask} applies to self attention only, and this call is cross "
+                         f"attention (q {tuple(q.shape)}, k {tuple(k.shape)}, attention_type="
+                         f"{settings.attention_type!r}); build the cross attention without mask=")
+    want = "padding" if fmt is QKVFormat.THD else "no_mask"
+    if mask_type != want or window != (-1, -1):
+        raise ValueError(f"{what}: cross attention here lets every query see every key of its sample: with "
+                         f"qkv_format={fmt.value!r} it takes attn_mask_type={want!r} and window_size (-1, -1); "
+                         f"got {mask_type!r}, window_size={window}")
+    layout = cross.Placement(fmt.seq_dim, fmt.head_dim)
+    if fmt is QKVFormat.THD:
+        cu_q, cu_kv, pad_q, pad_kv = _thd_boundaries(cu, n)
+        if len(cu_q) != len(cu_kv):
+            raise ValueError(f"{what}: cu_seqlens_q {list(cu_q)} and cu_seqlens_kv {list(cu_kv)} hold different "
+                             f"numbers of samples; a cross attention's queries and keys come from the same samples")
+        layout = cross.Placement(0, 1, cross.packed(what, "q", cu_q, pad_q, q.shape[0], n),
+                              cross.packed(what, "kv", cu_kv, pad_kv, k.shape[0], n))
+    groups = () if route is None else (route.group,) + (() if route.ring_group is None else (route.ring_group,))
+    return cross.resolve(what, layout, q, k, v, settings.scale, groups=groups, n=n,
+                         rank=0 if route is None else route.rank, facts=facts)
+
+
+def _self_attention(settings: Settings, fmt: QKVFormat, mask_type: str, window: Any, q: Any, k: Any,
+                    cu: tuple[Any, ...], route: _Route | None, comm: CommType) -> tuple[Any, PlanArgs]:
+    """A self attention's mask over the whole sequence and its plan arguments."""
+    what = WHAT
+    cp_size = 1 if route is None else route.n
+    if cp_size > 1:
+        heads = q.shape[-2]
+        a2a = cp_size if comm is CommType.A2A else settings.group[0].size() if comm is CommType.A2A_P2P else 1
+        if heads % a2a:
+            raise ValueError(f"{what}: cp_comm_type={comm.value!r} scatters heads over {a2a} ranks, but q has "
+                             f"{heads} heads; use a head count divisible by {a2a}, or cp_comm_type='p2p'")
+    if fmt is QKVFormat.THD:
+        return _packed_self_attention(settings, mask_type, window, q, cu, cp_size)
+    if "padding" in mask_type or mask_type == "arbitrary":
+        raise ValueError(f"{what}: attn_mask_type={mask_type!r} with qkv_format={fmt.value!r} is not supported; "
+                         f"for padded sequences use qkv_format='thd' with cu_seqlens, for any other mask pass "
+                         f"mask=cp.Mask... to the constructor")
+    user_mask, s = settings.mask, fmt.seq_dim
+    mask = user_mask if user_mask is not None else _window_mask(window)
+    if q.shape[s] != k.shape[s] and not (mask == cp.Mask.full() or (
+            mask == cp.Mask.causal() and user_mask is None and "bottom_right" not in mask_type)):
+        raise ValueError(f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} differ in length (cross attention): "
+                         f"here it takes attn_mask_type 'no_mask' or 'causal' (top-left) only, got "
+                         f"{mask_type!r} with window_size={window}" + ("" if user_mask is None else " and mask="))
+    return mask, PlanArgs(q.shape[s] * cp_size)
+
+
+def _packed_self_attention(settings: Settings, mask_type: str, window: Any, q: Any, cu: tuple[Any, ...],
+                           cp_size: int) -> tuple[Any, PlanArgs]:
+    """thd: the mask of the packed sequences (each attending only to itself) and their plan arguments."""
+    what = WHAT
+    if "padding" not in mask_type:
+        raise ValueError(f"{what}: qkv_format='thd' needs attn_mask_type 'padding' or 'padding_causal' (each "
+                         f"packed sequence attends only to itself), got {mask_type!r}")
+    cu_q, _, pad_q, _ = _thd_boundaries(cu, cp_size)
+    side = cross.packed(what, "q", cu_q, pad_q, q.shape[0], cp_size)
+    segments = [part for n, room in zip(side.lengths, _rooms(pad_q), strict=True) for part in (n, room - n)
+                if part > 0]
+    if settings.mask is not None:
+        mask = settings.mask
+    elif window not in ((-1, -1), (-1, 0)):
+        raise ValueError(f"{what}: window_size={window} with qkv_format='thd' is not supported (a window inside "
+                         f"each packed sequence is no cp.Mask yet); use sbhd / bshd, or pass mask=")
+    else:
+        mask = cp.Mask.packed(segments, chunk=1 if "causal" in mask_type else None)
+    return mask, PlanArgs(side.total, tuple(pad_q), tuple(zip(side.starts, side.lengths, strict=True)))
+
+
+def _engine_call(resolved: Resolved, scale: float, q: Any) -> _Call:
+    """The engine's path for a resolved self attention, with its plan (under context parallelism the checked call's,
+    its facts joining the call's cross-rank check)."""
+    fmt, route, mask, args = resolved.fmt, resolved.route, resolved.mask, resolved.plan
+    assert args is not None
+    s, h = fmt.seq_dim, fmt.head_dim
+    cp_size = 1 if route is None else route.n
+    used = None if fmt is not QKVFormat.THD or q.shape[0] * cp_size == args.length else args.length // cp_size
+    if route is None:  # one process: the whole sequence in order, any length
+        mine = torch.arange(args.length)
+        if mask == cp.Mask.full() or (mask == cp.Mask.causal() and fmt is not QKVFormat.THD):
             causal = mask == cp.Mask.causal()
 
             def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
-                groups = q.shape[h] // k.shape[h]  # GQA: heads repeated, as the engine's one process does (torch
-                if groups > 1:                     # 2.4, this package's floor, has no enable_gqa)
-                    k, v = (x.repeat_interleave(groups, dim=h) for x in (k, v))
-                return cp.sdpa_in_layout(q, k, v, seq_dim=s, head_dim=h, is_causal=causal, scale=scale)
+                return cross.attend(q, k, v, s, h, scale, causal=causal)
         else:
             def attend(q: Any, k: Any, v: Any) -> torch.Tensor:
                 return cp.ring_attention(q, k, v, None, mask=mask, seq_dim=s, head_dim=h, softmax_scale=scale)
-        return _Call(attend, used, padding)
+        return _Call(attend, used, _padding(args, mine, q.device))
+    transport = resolved.comm.transport
+    if mask == cp.Mask.full() and args.bounds is None:  # no position matters: any even split, no 2 * cp rule
+        plan = cp.plan_dispatch(mask, args.length, cp_size, method=cp.Layout.CONTIGUOUS, transport=transport)
+    else:
+        plan = cp.plan_dual_chunk_swap(mask, args.length, cp_size, cu_seqlens=args.bounds, transport=transport)
+    # The engine's masked path, as ring / ulysses / usp_attention(plan=) take it. The first call is checked in
+    # full; later ones share its key (shapes, dtypes, devices), so its checks.
+    checked: list[inputs.Call] = []
+
+    def attend_cp(q: Any, k: Any, v: Any) -> torch.Tensor:
+        if not checked:
+            checked.append(inputs.masked_call(WHAT, q, k, v, route.group, causal=False, mask=None, plan=plan,
+                                              length=None, seq_dim=s, head_dim=h, softmax_scale=scale, n=route.n,
+                                              rank=route.rank, ring_group=route.ring_group, facts=resolved.facts))
+            return route.attend(checked[0])
+        return route.attend(checked[0].on(q, k, v))
+    return _Call(attend_cp, used, _padding(args, plan.index(route.rank), q.device))
 
 
-__all__ = ["ATTENTION_TYPES", "CommType", "DotProductAttention", "EXTRA_PARAMETERS", "MASK_TYPES", "QKVFormat",
-           "TE_RELEASE", "check_window_size"]
+def _padding(args: PlanArgs, mine: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """True at this rank's padding tokens (``mine``: their whole-sequence positions), ``[t, 1, 1]`` on ``device``;
+    None when there are none."""
+    if args.real is None:
+        return None
+    pad = torch.ones(args.length, dtype=torch.bool)
+    for start, n in args.real:
+        pad[start:start + n] = False
+    return pad[mine].view(-1, 1, 1).to(device) if bool(pad.any()) else None
+
+
+def _check_route(q: Any, route: _Route | None, group: Any, global_ranks: Any) -> None:
+    """Under context parallelism: the group's backend carries q's device, and cp_global_ranks names its ranks."""
+    if route is None:
+        return
+    for g in group if isinstance(group, tuple) else (group,):
+        if backend_for(g, q.device.type) is None:
+            raise ValueError(f"{WHAT}: the cp group's backend ({dist.get_backend(g)}) cannot carry tensors on "
+                             f"{q.device.type}; move q, k and v to {'a GPU' if q.device.type == 'cpu' else 'the CPU'} "
+                             f"or use a group of another backend")
+    if global_ranks is not None and len(global_ranks) != route.n:
+        raise ValueError(f"{WHAT}: cp_global_ranks={list(global_ranks)} names {len(global_ranks)} ranks but the cp "
+                         f"group has {route.n}")
+
+
+def _rooms(pad: tuple[int, ...]) -> list[int]:
+    return [y - x for x, y in zip(pad[:-1], pad[1:], strict=True)]
+
+
+def _thd_boundaries(cu: tuple[Any, ...], cp_size: int) -> tuple[Any, Any, Any, Any]:
+    """thd's ``cu_seqlens_q``, ``cu_seqlens_kv`` and their padded forms (each the unpadded one when not given; under
+    context parallelism they must be given)."""
+    cu_q, cu_kv, pad_q, pad_kv = cu
+    if cu_q is None or cu_kv is None:
+        raise ValueError(f"{WHAT}: qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv")
+    if cp_size > 1 and (pad_q is None or pad_kv is None):
+        raise ValueError(f"{WHAT}: context parallelism with qkv_format='thd' needs cu_seqlens_q_padded and "
+                         f"cu_seqlens_kv_padded (each sequence padded to a multiple of 2 * cp = {2 * cp_size}; "
+                         f"pass cu_seqlens_q as cu_seqlens_q_padded when there is no padding)")
+    return cu_q, cu_kv, cu_q if pad_q is None else pad_q, cu_kv if pad_kv is None else pad_kv
+
+
+def _is_cross(fmt: QKVFormat, q: Any, k: Any, cu: tuple[Any, ...], route: _Route | None, attention_type: str) -> bool:
+    """Whether a call is cross attention for ``cp.cross``: thd whose k/v samples are bounded otherwise than q's, or
+    under context parallelism a cross attention or k/v of another length than q (one process attends sbhd / bshd
+    cross calls on the plain path)."""
+    if fmt is QKVFormat.THD and cu[0] is not None and cu[1] is not None:
+        cu_q, cu_kv, pad_q, pad_kv = cu
+        if cu_q != cu_kv or (cu_q if pad_q is None else pad_q) != (cu_kv if pad_kv is None else pad_kv):
+            return True
+    if route is None:
+        return False
+    return attention_type == "cross" or (fmt is not QKVFormat.THD and q.shape[fmt.seq_dim] != k.shape[fmt.seq_dim])
+
+
+__all__ = ["ATTENTION_TYPES", "CommType", "DotProductAttention", "EXTRA_PARAMETERS", "MASK_TYPES", "PlanArgs",
+           "QKVFormat", "Resolved", "Settings", "TE_RELEASE", "check_window_size", "resolve"]

@@ -69,17 +69,19 @@ def _rel(got, want):
 TE_TEST_KWARGS = {"core_attention_bias_type": "no_bias", "core_attention_bias": None, "fp8_output": False}
 
 
-def _check(fmt, dpa, q, k, v, allowed, index, tol, **kwargs):
-    """dpa on this rank's tokens ``index`` (of q, k, v: the whole sequence) equals one process; the worst error."""
+def _check(fmt, dpa, q, k, v, allowed, index, tol, kv_index=None, **kwargs):
+    """dpa on this rank's tokens ``index`` of q (``kv_index`` of k and v, default the same; of the whole sequences)
+    equals one process; the worst error."""
     s = 1 if fmt == "bshd" else 0
+    indices = (index, index if kv_index is None else kv_index, index if kv_index is None else kv_index)
     dout = _data(q.shape[:-2] + (q.shape[-2] * v.shape[-1],), 99, q.dtype)
     want, grads = _reference(fmt, q, k, v, allowed, dpa.softmax_scale, dout)
-    mine = [t.index_select(s, index).requires_grad_(True) for t in (q, k, v)]
+    mine = [t.index_select(s, i).requires_grad_(True) for t, i in zip((q, k, v), indices, strict=True)]
     out = dpa(*mine, **kwargs)
     (out * dout.index_select(s, index)).sum().backward()
     assert out.dtype == q.dtype and out.shape == want.index_select(s, index).shape, (out.shape, want.shape)
     errs = [_rel(out, want.index_select(s, index))]
-    errs += [_rel(m.grad, g.index_select(s, index)) for m, g in zip(mine, grads, strict=True)]
+    errs += [_rel(m.grad, g.index_select(s, i)) for m, g, i in zip(mine, grads, indices, strict=True)]
     assert max(errs) <= tol, (fmt, dpa.attn_mask_type, dpa.window_size, dpa.cp_comm_type, errs)
     return max(errs), out, mine
 
@@ -215,6 +217,70 @@ def case_thd():
     out.sum().backward()
     want, _ = _reference("thd", q, k, v, _thd_allowed(cu, padded, True), dpa.softmax_scale, torch.zeros(1))
     assert _rel(out[:-3], want[index]) <= 1e-10 and not out[-3:].any() and not any(t.grad[-3:].any() for t in mine)
+    _destroy(groups)
+    return done, worst
+
+
+# ---------------------------------------------------------------- cross attention: video queries to text keys
+
+
+def _cross_allowed(cu_q, pad_q, cu_kv, pad_kv):
+    """The dense [q tokens, k tokens] mask of a thd cross attention: a real query sees every real key of its sample."""
+    def samples(cu, padded, dead):
+        seq = torch.full((int(padded[-1]),), dead)
+        for i in range(len(cu) - 1):
+            seq[int(padded[i]):int(padded[i]) + int(cu[i + 1] - cu[i])] = i
+        return seq
+    return samples(cu_q, pad_q, -1)[:, None] == samples(cu_kv, pad_kv, -2)[None, :]
+
+
+def case_cross():
+    """Cross attention as DFM's Wan / DiT layers call TE's class: thd packs whose text (k, v) has its own cu_seqlens,
+    each side split by DualChunkSwap over its own padded cu_seqlens, and bshd / sbhd whose text is split
+    contiguously (q DualChunkSwap), every comm type and GQA; each query sees every key of its sample, output and
+    gradients (q's and the text's) equal one process's, 0 at padding. On a group of one and with cp_group None,
+    the plain path on whole sequences."""
+    import torch.distributed as dist
+
+    n, me = dist.get_world_size(), dist.get_rank()
+    groups = _groups(n)
+    unit = 2 * n
+    # video (real, padded) and text (real, padded) lengths per sample: a sample with padded text, one without
+    video = ([3 * unit - 1, 2 * unit], [3 * unit, 2 * unit])
+    text = ([unit - 1, 2], [unit, unit])
+    q, _, _, cu_q, pad_q = _thd(*video, 4, 2, 200)
+    _, k, v, cu_kv, pad_kv = _thd(*text, 4, 2, 300)
+    allowed = _cross_allowed(cu_q, pad_q, cu_kv, pad_kv)
+    thd = {"cu_seqlens_q": cu_q, "cu_seqlens_kv": cu_kv, "cu_seqlens_q_padded": pad_q, "cu_seqlens_kv_padded": pad_kv}
+    iq, ikv = _dual_chunk_swap(pad_q.tolist(), n, me), _dual_chunk_swap(pad_kv.tolist(), n, me)
+    done, worst = 0, 0.0
+    for comm in COMMS:
+        for fmt in ("thd", "bshd", "sbhd"):
+            dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format=fmt, attention_type="cross",
+                                      attn_mask_type="padding" if fmt == "thd" else "no_mask")
+            dpa.set_context_parallel_group(groups["a2a+p2p" if comm == "a2a+p2p" else "world"], range(n), None, comm)
+            if fmt == "thd":
+                err, out, mine = _check("thd", dpa, q, k, v, allowed, iq, 1e-10, ikv, **TE_TEST_KWARGS, **thd)
+                pad = ~allowed.any(1)[iq]
+                assert not out[pad].any() and not mine[0].grad[pad].any()
+                assert not any(t.grad[~allowed.any(0)[ikv]].any() for t in mine[1:])  # the text's padding
+            else:
+                seq, ctx = 4 * n, 3 * n
+                shape = (2, seq) if fmt == "bshd" else (seq, 2)
+                text_shape = (2, ctx) if fmt == "bshd" else (ctx, 2)
+                xq = _data(shape + (4, 8), 400)
+                xk, xv = (_data(text_shape + (2, 8), 401 + i) for i in range(2))
+                err, _, _ = _check(fmt, dpa, xq, xk, xv, torch.ones(seq, ctx, dtype=torch.bool),
+                                   _dual_chunk_swap((0, seq), n, me), 1e-10,
+                                   torch.arange(me * ctx // n, (me + 1) * ctx // n), **TE_TEST_KWARGS)
+            worst, done = max(worst, err), done + 1
+    # context parallelism off (cp_group None, and a group of one): whole sequences, the plain path
+    one = dist.new_group([me], use_local_synchronization=True)
+    for group in (None, one):
+        dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="thd", attn_mask_type="padding", cp_group=group)
+        err, _, _ = _check("thd", dpa, q, k, v, allowed, torch.arange(len(q)), 1e-10, torch.arange(len(k)), **thd)
+        worst, done = max(worst, err), done + 1
+    dist.destroy_process_group(one)
     _destroy(groups)
     return done, worst
 
@@ -374,8 +440,17 @@ def case_errors():
         (["attn_mask_type='padding' with qkv_format='bshd'", "qkv_format='thd'"], dpa(attn_mask_type="padding"), x,
          x, x, {}),
         (["attn_mask_type='arbitrary'", "mask=cp.Mask"], dpa(attn_mask_type="arbitrary"), x, x, x, {}),
-        (["context parallelism needs self attention", "leave the cross attention's cp_group None"], dpa(), x,
-         x[:, :4], x[:, :4], {}),
+        # cross attention: a mask it cannot take, a mask of ours, k and v that disagree, text cu_seqlens that do not
+        # cover k's tokens
+        (["cross attention here lets every query see every key of its sample", "attn_mask_type='no_mask'",
+          "got 'causal'"], dpa(), x, x[:, :4], x[:, :4], {}),
+        (["applies to self attention only", "build the cross attention without mask="],
+         dpa(mask=cp.Mask.causal(), attention_type="cross"), x, x[:, :4], x[:, :4], {}),
+        (["keys (1, 4, 4, 8) and values (1, 2, 4, 8) must have the same"], dpa(attention_type="cross"), x, x[:, :4],
+         x[:, :2], {}),
+        (["k holds 4 tokens but the padded sequences hold 16 over 2 rank(s), 8 each"],
+         dpa(qkv_format="thd", attn_mask_type="padding", attention_type="cross"), thd, thd[:4], thd[:4],
+         {"cu_seqlens_q": cu, "cu_seqlens_kv": cu // 2, "cu_seqlens_q_padded": cu, "cu_seqlens_kv_padded": cu}),
         (["must have num_gqa_groups / tp_size = 4 heads, found 2"], dpa(), x, x[:, :, :2], x[:, :, :2], {}),
     ]
     found = 0
@@ -406,6 +481,20 @@ def case_errors():
             ([f"group rank 1 (global {ranks[1]}): ", "not a multiple of 2 * cp_size"], {}, 7 if me == 1 else 8)):
         y = _data((1, shape, 4, 8), 3)
         raises(ValueError, fragments, dpa(**kwargs), y, y, y)
+        found += 1
+    # A text laid out otherwise on one rank (cross attention): every rank raises before the keys are gathered.
+    for fragments, text, kw in (
+            (["ranks call attention differently", "k shape"], x[:, :2 if me else 4], {}),
+            (["ranks call attention differently", "cu_seqlens"], thd[:4],
+             {"cu_seqlens_kv": torch.tensor([0, 3, 7] if me else [0, 4, 8])})):
+        calls = []
+        fmt = "thd" if kw else "bshd"
+        module = dpa(qkv_format=fmt, attn_mask_type="padding" if kw else "no_mask", attention_type="cross")
+        q = thd if kw else x
+        thd_kw = {"cu_seqlens_q": cu, "cu_seqlens_q_padded": cu, "cu_seqlens_kv_padded": cu // 2, **kw} if kw else {}
+        with spying(lambda name, args, kw, calls=calls: calls.append(name)):
+            raises(ValueError, fragments, module, q, text, text, **thd_kw)
+        assert calls == ["all_to_all_single"] * 2, calls
         found += 1
     # Nothing half-built: the same modules' next good calls are exact; dropout is fine outside training.
     module = dpa(attention_dropout=0.1).eval()
@@ -608,6 +697,12 @@ def test_thd_padded_and_unpadded_match_one_process_with_zeros_at_padding(pools):
         assert max(r[1] for r in results) <= 1e-10
 
 
+def test_cross_attention_to_text_split_over_the_ranks_equals_one_process(pools):
+    for n in (2, 4):
+        results = pools(n).run(case_cross, timeout=240)
+        assert all(done == 14 and worst <= 1e-10 for done, worst in results), results
+
+
 def test_cp_off_and_a_mask_of_ours(pools):
     assert max(pools(2).run(case_cp_off_and_masks, timeout=120)) <= 1e-10
 
@@ -618,7 +713,7 @@ def test_cosmos_predict2_block_with_context_parallel_equals_one_process(pools):
 
 
 def test_bad_inputs_raise_on_every_rank_before_any_transfer(pools):
-    assert pools(2).run(case_errors, timeout=120) == [18, 18]
+    assert pools(2).run(case_errors, timeout=120) == [23, 23]
 
 
 def test_a_rank_departing_from_a_cached_call_raises_on_every_rank_in_the_one_round(pools):

@@ -60,6 +60,9 @@ class DotProductAttention(te.DotProductAttention):
       parallelism's per-batch group) replaces it for that call, and ``local_cp_size=1`` without a group turns
       it off for that call (megatron-core's TEDotProductAttention keeps the last one instead).
     - ``cp_comm_type``: None or ``"p2p"``, ``"all_gather"``, ``"a2a"``, ``"a2a+p2p"``.
+    - ``attention_type="cross"`` (megatron-core's ``CrossAttention``): every query sees every key of its sample; under
+      context parallelism the text is split over the cp ranks as the video is, and gathered (``cp.cross``).
+      ``mask`` is for self attention only.
     - ``attention_mask``: ignored for causal and no_mask, as Transformer Engine does (megatron-core's loop passes
       the dense mask ``get_batch_on_this_cp_rank`` cut along queries only); ``mask`` (a ``cp.Mask`` over the
       whole sequence) replaces ``attn_mask_type`` and the window.
@@ -85,6 +88,10 @@ class DotProductAttention(te.DotProductAttention):
         if config.qk_clip or config.log_max_attention_logit:
             raise ValueError(f"{what}: qk_clip and log_max_attention_logit need the attention's largest logit, which "
                              f"cp's engine does not return; set both False in the TransformerConfig")
+        if attention_type == "cross" and mask is not None:
+            raise ValueError(f"{what}: mask={mask} applies to self attention only, and this is a cross attention; "
+                             f"build it without mask= (swap_core_attention(spec, mask=) gives the mask to the self "
+                             f"attentions only)")
         if pg_collection is None:
             tp_group = mps.get_tensor_model_parallel_group(check_initialized=False)
             cp_group = mps.get_context_parallel_group(check_initialized=False)

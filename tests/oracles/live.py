@@ -7,7 +7,8 @@ after it):
   (``SUITE``): its ``initialize_model_parallel``, getters and ``ProcessGroupCollection``, its model code through
   ``pg_collection=`` compared with ``torch.equal``, its helper functions, the data's facts of that release,
   writes of its private globals (TeleTron's initialization) and its GPTModel trained through its own training
-  step with ``cp.megatron.DotProductAttention`` as core attention;
+  step with ``cp.megatron.DotProductAttention`` as core attention, and its TransformerLayers with a cross attention
+  to a text context split over the cp ranks (NeMo DFM's layers);
 - ``ours``: the release's own ``tests/unit_tests/test_parallel_state.py`` with ``import parallel_state as ps``
   in place of its ``import megatron.core.parallel_state as ps``;
 - ``theirs``: the same file on the release's own module, the yardstick for ``ours``.
@@ -33,7 +34,7 @@ from . import RELEASES, environments
 
 SUITE = ["tests/test_megatron_parity.py", "tests/test_megatron_model_code.py", "tests/test_megatron_compat_utils.py",
          "tests/test_megatron_bridge.py", "tests/test_megatron_release_data.py", "tests/test_megatron_private_globals.py",
-         "tests/test_megatron_cp_attention.py"]
+         "tests/test_megatron_cp_attention.py", "tests/test_megatron_cross_attention.py"]
 WORLD = 8
 #: Seconds for one part on a loaded 2-core machine.
 TIMEOUT = 1800
