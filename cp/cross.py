@@ -186,7 +186,7 @@ def resolve(what: str, layout: Placement, q: torch.Tensor, k: torch.Tensor, v: t
     check = None
     if n > 1:
         local = q.shape[layout.s] if q_used is None else q_used
-        plan = cp.plan_dispatch(cp.Mask.full(), n * local, n, method=cp.Placement.CONTIGUOUS,
+        plan = cp.plan_dispatch(cp.Mask.full(), n * local, n, method=cp.Layout.CONTIGUOUS,
                                 transport=cp.Transport.ALLGATHER)
         tensors = inputs.Tensors(q.narrow(layout.s, 0, local), k, v, layout.s, layout.h, layout.s, layout.h)
         check = inputs.Call(what, tensors, groups[0], n, rank, scale, masking=inputs.Masking(plan, True, False),
