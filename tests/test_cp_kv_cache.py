@@ -159,6 +159,35 @@ def case_errors_on_every_rank():
     return found
 
 
+def _example():
+    import importlib.util
+    import os
+    import sys
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)  # the example imports its model, demo_dit, as a script next to it does
+    spec = importlib.util.spec_from_file_location("autoregressive_dit", os.path.join(examples, "autoregressive_dit.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def case_example(window_chunks):
+    """The example's worker: the rollout at cp 2 (dp 2) then cp 4 with the cache and by recomputation, and in one
+    process; every video the same (rel 1e-10, float64)."""
+    import parallel_state as ps
+
+    example = _example()
+    log = example.serve((2, 4), chunks=3, steps=2, window_chunks=window_chunks)
+    alone = example.rollout(None, chunks=3, steps=2, window_chunks=window_chunks)
+    for r in log:
+        _close(r["video"], alone, ("cached", r["cp"]))
+        _close(r["recomputed"], alone, ("recomputed", r["cp"]))
+    assert not ps.model_parallel_is_initialized()
+    return [(r["cp"], r["freed"], r["cache_bytes"]) for r in log]
+
+
 # ---------------------------------------------------------------- tests
 
 
@@ -205,3 +234,17 @@ def test_bad_arguments_are_errors():
     _raises(RuntimeError, ["inference", "torch.no_grad()"], cache.attend, x.requires_grad_(), x, x)
     _raises(ValueError, ["not one chunk's K/V"], cache.append, x, torch.zeros(1, 4, 2, 4))
     assert len(cache) == 0 and cache.local_tokens == 0 and cache.local_bytes == 0
+
+
+@pytest.mark.parametrize("window_chunks", [None, 2])
+def test_the_example_rolls_out_as_recomputing_the_prefix_at_two_cp_sizes(pools, window_chunks):
+    rows = pools(4).run(case_example, window_chunks, timeout=120)
+    example = _example()
+    chunk_bytes = 2 * 2 * example._chunk_tokens() * example.CFG.dim * 8  # K and V of both blocks, float64
+    kept = 3 if window_chunks is None else window_chunks - 1
+    for rank_rows in rows:
+        assert [cp_size for cp_size, _, _ in rank_rows] == [2, 4]
+        for cp_size, freed, cache_bytes in rank_rows:
+            assert freed, rank_rows  # nothing of a rollout outlives it
+            # about 1/cp of the kept chunks' K/V on each rank (uneven shards: within one token a chunk)
+            assert abs(cache_bytes - kept * chunk_bytes / cp_size) <= kept * chunk_bytes / example._chunk_tokens()
