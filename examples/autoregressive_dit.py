@@ -142,14 +142,19 @@ def serve(cp_sizes: tuple[int, ...] = (2, 4), *, chunks: int = 4, steps: int = 3
     return log
 
 
+def describe(record: dict[str, Any]) -> str:
+    """One line of a ``serve`` record: both ways' seconds, how far apart their videos are, the cache's bytes."""
+    video, again = record["video"], record["recomputed"]
+    diff = ((video - again).abs().max() / again.abs().max()).item()
+    return (f"cp {record['cp']}: cache {record['cached_s']:.2f} s, recompute {record['recompute_s']:.2f} s, max rel "
+            f"diff {diff:.1e}, this rank's cache {record['cache_bytes']} bytes, freed {record['freed']}")
+
+
 def main() -> None:
     dist.init_process_group("gloo")
-    log = serve()
+    lines = [describe(record) for record in serve()]
     if dist.get_rank() == 0:
-        for r in log:
-            diff = ((r["video"] - r["recomputed"]).abs().max() / r["recomputed"].abs().max()).item()
-            print(f"cp {r['cp']}: cache {r['cached_s']:.2f} s, recompute {r['recompute_s']:.2f} s, "
-                  f"max rel diff {diff:.1e}, cache bytes on rank 0 {r['cache_bytes']}, freed {r['freed']}")
+        print("\n".join(lines))
     dist.destroy_process_group()
 
 
