@@ -159,6 +159,58 @@ def case_errors_on_every_rank():
     return found
 
 
+def case_repeats_judged_on_the_device():
+    """Where reading a round waits for the GPU (NCCL; here gloo made to act so): the later steps of a chunk read no
+    round and stay exact; a rank that changes its call while the others repeat theirs raises naming them, and the
+    repeating ranks stop at their device-side assertion (on a CPU it raises at once)."""
+    import torch.distributed as dist
+
+    from cp import agree, call_check
+
+    reads = []
+    table = agree.Pending.table
+
+    def counted(self):
+        reads.append(1)
+        return table(self)
+
+    call_check.reads_wait_everywhere, agree.Pending.table = True, counted
+    try:
+        found = 0
+        for g in cp_groups():
+            n, r = g.size(), g.rank()
+            first = f"group rank 0 (global {dist.get_process_group_ranks(g)[0]})"
+            cache = cp.KVCache(g)
+            whole = [_data((1, 2 * n + 1, heads, 8), seed=30 + i) for i, heads in enumerate((4, 2, 2))]
+            mine = [cp.split_inputs_cp(x, 1, g, uneven=True) for x in whole]
+            want = cp.split_inputs_cp(_reference(whole[0], [whole[1]], [whole[2]], 1, 2), 1, g, uneven=True)
+            with torch.no_grad():
+                for step in range(3):
+                    before = len(reads)
+                    _close(cache.attend(*mine), want, ("step", step))
+                    assert len(reads) - before == (1 if step == 0 else 0), (step, len(reads) - before)
+                    found += 1
+                cache.append(*mine[1:])  # an append reads (its row is new), so does the next chunk's first attend
+                before = len(reads)
+                cache.attend(*mine)
+                cache.attend(*mine)
+                assert len(reads) - before == 1
+                # rank 0 changes its shard (one token fewer on every rank would be another chunk), the others repeat
+                changed = [x[:, :-1] for x in mine] if r == 0 else mine
+                if r == 0:
+                    _raises(ValueError, ["repeated their last call", "made another"], cache.attend, *changed)
+                else:
+                    _raises(RuntimeError, ["KVCache: the ranks' calls differ"], cache.attend, *changed)
+                found += 1
+                _close(cache.attend(*mine), cp.split_inputs_cp(
+                    _reference(whole[0], [whole[1], whole[1]], [whole[2], whole[2]], 1, 2), 1, g, uneven=True),
+                    "still in step")
+                found += 1
+        return found
+    finally:
+        call_check.reads_wait_everywhere, agree.Pending.table = False, table
+
+
 def _example():
     import importlib.util
     import os
@@ -200,6 +252,11 @@ def test_rollouts_match_one_process(pools, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_mistakes_raise_on_every_rank(pools, world):
     assert pools(world).run(case_errors_on_every_rank) == [11 * (1 if world == 2 else 2)] * world
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_repeated_steps_read_no_round_where_reading_waits_for_the_gpu(pools, world):
+    assert pools(world).run(case_repeats_judged_on_the_device) == [5 * (1 if world == 2 else 2)] * world
 
 
 def test_one_process_is_a_plain_cache():
