@@ -194,7 +194,8 @@ class KVCache:
         keep = len(self._chunks) if self._window is None else min(len(self._chunks), self._window - 2)
         drop = sum(self._chunks[:len(self._chunks) - keep])
         if self._k is None or self._v is None:
-            self._k, self._v = kc.contiguous(), vc.contiguous()
+            # a copy even where the layout is the cache's: the caller's tensors stay theirs to change
+            self._k, self._v = (x.clone(memory_format=torch.contiguous_format) for x in (kc, vc))
         else:  # one copy per chunk; the dropped chunks' memory goes with the old buffers
             self._k = torch.cat([self._k[..., drop:, :], kc], dim=-2)
             self._v = torch.cat([self._v[..., drop:, :], vc], dim=-2)

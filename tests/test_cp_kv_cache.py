@@ -279,6 +279,18 @@ def test_the_window_is_sliding_window_masks_for_equal_chunks():
             cache.append(*part[1:])
 
 
+def test_the_cache_holds_copies():
+    """K/V in the cache's own layout ([B, H, S, D]) are copied in: changing them afterwards changes nothing."""
+    q, k, v = (_data((1, 2, 3, 4), seed=i) for i in range(3))
+    cache = cp.KVCache(seq_dim=2, head_dim=1)
+    cache.append(k, v)
+    want = cache.attend(q, k, v)
+    k.zero_()
+    v.zero_()
+    k2, v2 = (_data((1, 2, 3, 4), seed=i) for i in (1, 2))
+    _close(cache.attend(q, k2, v2), want, "copied")
+
+
 def test_bad_arguments_are_errors():
     _raises(ValueError, ["window_chunks=0", "None"], cp.KVCache, window_chunks=0)
     _raises(TypeError, ["window_chunks must be an int"], cp.KVCache, window_chunks=2.0)
