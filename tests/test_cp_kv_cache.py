@@ -1,5 +1,5 @@
 """``cp.KVCache`` on real gloo ranks: a rollout chunk by chunk equals one process's attention over [the kept chunks'
-K/V, the chunk's own K/V] in float64, on 1 to 4 ranks, uneven shards, GQA, windows and two layouts; every mistake is
+K/V, the chunk's own K/V] in float64, on 1, 2, 3 and 4 ranks, uneven shards, GQA, windows and two layouts; every mistake is
 an error on every rank; the autoregressive example matches recomputing the prefix at two cp sizes.
 """
 
@@ -77,12 +77,26 @@ def _rollout(g, config, steps=2, dtype=None, rel=1e-10):
     return len(offsets) * steps
 
 
+def _three():
+    """On 4 ranks, a group of 3 (ranks 0-2; None on rank 3): uneven shards of another kind."""
+    import torch.distributed as dist
+
+    if dist.get_world_size() != 4:
+        return []
+    group = dist.new_group([0, 1, 2])
+    return [group] if dist.get_rank() < 3 else []
+
+
 def case_rollouts_match_one_process():
+    import torch.distributed as dist
+
     checks = 0
-    for g in cp_groups():
+    for g in cp_groups() + _three():
         for config in CONFIGS:
             checks += _rollout(g, config)
         checks += _rollout(g, CONFIGS[1], steps=1, dtype=torch.float32, rel=1e-5)  # the fused float32 kernel
+        if g.size() == 3:
+            dist.destroy_process_group(g)
     return checks
 
 
@@ -198,7 +212,7 @@ def case_repeats_judged_on_the_device():
                 # rank 0 changes its shard (one token fewer on every rank would be another chunk), the others repeat
                 changed = [x[:, :-1] for x in mine] if r == 0 else mine
                 if r == 0:
-                    _raises(ValueError, ["repeated their last call", "made another"], cache.attend, *changed)
+                    _raises(ValueError, ["repeated their last call", f"while {first} made another"], cache.attend, *changed)
                 else:
                     _raises(RuntimeError, ["KVCache: the ranks' calls differ"], cache.attend, *changed)
                 found += 1
@@ -246,7 +260,8 @@ def case_example(window_chunks):
 @pytest.mark.parametrize("world", [2, 4])
 def test_rollouts_match_one_process(pools, world):
     per_group = sum(len(c[6]) * 2 for c in CONFIGS) + len(CONFIGS[1][6])
-    assert pools(world).run(case_rollouts_match_one_process) == [per_group * (1 if world == 2 else 2)] * world
+    want = [per_group] * 2 if world == 2 else [3 * per_group] * 3 + [2 * per_group]  # 4 ranks: also a group of 3
+    assert pools(world).run(case_rollouts_match_one_process) == want
 
 
 @pytest.mark.parametrize("world", [2, 4])
