@@ -27,7 +27,8 @@ from parallel_state import (  # noqa: F401
 )
 
 #: Imported on first use: most programs pick one attention method, and import time is per process.
-_LAZY = {"ring_attention": "cp.ring", "usp_attention": "cp.usp", "measure_rates": "cp.rates", "clear_rates": "cp.rates"}
+_LAZY = {"ring_attention": "cp.ring", "usp_attention": "cp.usp", "measure_rates": "cp.rates", "clear_rates": "cp.rates",
+         "KVCache": "cp.kv_cache"}
 
 
 def __getattr__(name: str) -> object:
@@ -46,6 +47,7 @@ __all__ = [
     "AttentionShape",
     "CostRates",
     "DispatchPlan",
+    "KVCache",
     "Layout",
     "Mask",
     "Placement",
