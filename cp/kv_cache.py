@@ -310,15 +310,15 @@ class KVCache:
         whole = t.q if group is None else gather_cat_uneven(t.q, s, group, sizes)
         qc = whole.movedim((h, s), (-3, -2))
         kc, vc = (x.movedim((h, s), (-3, -2)) for x in (t.k, t.v))
-        hkv, length = kc.shape[-3], qc.shape[-2]
-        qg = qc.reshape(*qc.shape[:-3], hkv, t.groups, length, qc.shape[-1])  # [..., Hkv, G, L, D]
-        out, lse = _partial(qg, kc, vc, scale)
+        lead = qc.shape[:-3]
+        q4, k4, v4 = (_four(x) for x in (qc, kc, vc))  # the kernels' [B, H, L, D]
+        out, lse = _partial(q4, k4, v4, scale)
         if self._k is not None and self._v is not None:
-            cached, clse = _partial(qg, self._k, self._v, scale)
+            cached, clse = _partial(q4, _four(self._k), _four(self._v), scale)
             online_softmax.merge(out, lse, cached, clse)
         if group is not None:
             out = _merge_at_owners(out, lse, group, sizes)
-        out = out.reshape(*qc.shape[:-3], hkv * t.groups, out.shape[-2], vc.shape[-1]).to(t.q.dtype)
+        out = out.reshape(*lead, *out.shape[-3:]).to(t.q.dtype)
         return out.movedim((-3, -2), (h, s))
 
 
@@ -328,9 +328,14 @@ def _some_tokens(what: str, tokens: int, seq_dim: int) -> None:
                          f"one token of the chunk: a chunk of at least as many tokens as the group has ranks")
 
 
+def _four(x: torch.Tensor) -> torch.Tensor:
+    """[..., H, L, D] with one batch dim, as the kernels take it (a view where the lead dims allow)."""
+    return x if x.dim() == 4 else x.reshape(-1, *x.shape[-3:])
+
+
 def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [..., Hkv, G, L, D] against every key of k / v [..., Hkv, C, D]: the normalized output (compute dtype)
-    and log-sum-exp [..., Hkv, G, L] by the fused kernel of a full tile."""
+    """q [B, Hq, L, D] against every key of k / v [B, Hkv, C, D]: the normalized output (compute dtype) and
+    log-sum-exp [B, Hq, L] by the fused kernel of a full tile."""
     choice = kernels.choose_for(q, k, v, kernels.TileKind.FULL)
     out, lse = kernels.forward(choice, q, k, v, scale, None)
     return out.to(kernels.compute_dtype(q.dtype)), lse
