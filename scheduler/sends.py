@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -112,6 +113,8 @@ class _Watcher:
         self._thread = threading.Thread(target=self._run, args=(self._queue,), name="PPScheduler sends",
                                         daemon=True)
         self._thread.start()
+        # A scheduler dropped without a teardown lets its thread end once the queued sends are done.
+        self._end = weakref.finalize(self, self._queue.put, None)
 
     @staticmethod
     def _run(handles: queue.SimpleQueue[SendHandle | None]) -> None:
@@ -122,7 +125,7 @@ class _Watcher:
         self._queue.put(handle)
 
     def stop(self) -> None:
-        self._queue.put(None)
+        self._end()
         self._thread.join()
 
 

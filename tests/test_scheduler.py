@@ -366,8 +366,17 @@ def case_soak():
         most_alive = max(most_alive, len(alive))
     sched.wait_sends()
     gc.collect()
-    return dict(held=held, most_alive=most_alive, pending=sched.pending_sends,
-                alive=sum(ref() is not None for ref in alive))
+    out = dict(held=held, most_alive=most_alive, pending=sched.pending_sends,
+               alive=sum(ref() is not None for ref in alive), watchers=[watchers()])
+    ps.destroy_model_parallel()  # stops the thread that watched the sends (gloo)
+    out["watchers"].append(watchers())
+    return out
+
+
+def watchers():
+    import threading
+
+    return sum(thread.name == "PPScheduler sends" for thread in threading.enumerate())
 
 
 def test_soak_of_dropped_sends_stays_bounded(pools):
@@ -376,6 +385,7 @@ def test_soak_of_dropped_sends_stays_bounded(pools):
     # The scheduler held at most SOAK_LIMIT sends and let go of each tensor once sent: nothing piles up.
     assert 1 <= stage0["held"] <= SOAK_LIMIT and stage0["most_alive"] <= SOAK_LIMIT
     assert stage0["pending"] == 0 and stage0["alive"] == 0
+    assert stage0["watchers"] == [1, 0]  # one thread watched the gloo sends; the teardown ended it
 
 
 def case_stage_left():
