@@ -212,8 +212,11 @@ def _on_dist_init() -> None:
 
 def _on_teardown() -> None:
     global _scheduler
+    # Listed before _scheduler lets go: it is the last reference when the caller holds none (MAGI-1's
+    # pp_scheduler().isend_next(x)), and the scheduler's held sends and receives must be seen to.
+    live = list(_INSTANCES)
     _scheduler = None
-    for sched in list(_INSTANCES):
+    for sched in live:
         sched._live = False
         sched._discard_pending()
         sched._finish_sends()

@@ -425,3 +425,67 @@ def test_send_to_a_stage_that_left_fails_with_an_explanation(pools):
         assert "send to the next pipeline stage (global rank 1) failed" in out[name], (name, out)
         assert "has left" in out[name] and "before either tears down" in out[name]
     assert out["pending"] == 0 and out["warnings"] == []  # each failure was raised once, none left behind
+
+
+def case_left_before_teardown():
+    """Stage 0 drops a send stage 1 never receives and queues a receive stage 1 never answers, holding
+    no reference to the scheduler (as MAGI-1); its destroy_model_parallel reports both instead of hanging."""
+    import torch
+    import torch.distributed as dist
+
+    ps.dist_init(distributed_backend="gloo", pp_size=2, timeout=TIMEOUT)
+    if ps.get_pp_rank() == 1:
+        dist.barrier()
+        ps.destroy_model_parallel()
+        dist.barrier()
+        return None
+    scheduler.pp_scheduler().isend_next(torch.ones(3))  # dropped
+    scheduler.pp_scheduler().queue_irecv_prev((3,), torch.float32)
+    dist.barrier()
+    dist.barrier()  # stage 1 has left
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ps.destroy_model_parallel()
+    return [str(w.message) for w in caught if issubclass(w.category, ParallelStateWarning)]
+
+
+def test_teardown_reports_a_send_that_never_arrived(pools):
+    dropped, failed = pools(2).run(case_left_before_teardown)[0]
+    assert "dropped 1 receive(s) posted with queue_irecv_prev()" in dropped
+    assert "found 1 send(s) to the next pipeline stage that did not arrive" in failed
+    assert "(global rank 1) failed" in failed and "has left" in failed
+
+
+def case_wait_with_timeout():
+    """A wait that times out leaves the send held; it arrives once the next stage receives."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    ps.dist_init(distributed_backend="gloo", pp_size=2, timeout=TIMEOUT)
+    sched = scheduler.pp_scheduler()
+    if ps.get_pp_rank() == 1:
+        dist.barrier()  # receives only after stage 0's wait has timed out
+        return sched.recv_prev_data((3,), torch.float32).tolist()
+    handle = sched.isend_next(torch.full((3,), 5.0))
+    out = {}
+    try:
+        handle.wait(datetime.timedelta(milliseconds=50))
+    except ParallelStateError as exc:
+        out["timed_out"] = str(exc)
+    out["held"] = (sched.pending_sends, handle.is_completed())
+    dist.barrier()
+    out["waited"] = handle.wait()
+    out["after"] = (sched.pending_sends, handle.is_completed())  # let go of at the scheduler's next call
+    sched.wait_sends()
+    out["pending"] = sched.pending_sends
+    return out
+
+
+def test_wait_with_timeout_keeps_the_send(pools):
+    stage0, stage1 = pools(2).run(case_wait_with_timeout)
+    assert "(global rank 1) did not complete within 0:00:00.050000" in stage0["timed_out"]
+    assert stage0["held"] == (1, False) and stage0["waited"] is True
+    assert stage0["after"] == (1, True) and stage0["pending"] == 0
+    assert stage1 == [5.0] * 3
