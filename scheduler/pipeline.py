@@ -110,7 +110,10 @@ class PPScheduler:
         self._sends.wait_all()
 
     def irecv_prev(self, buffer: torch.Tensor) -> Any:
-        """Start receiving from the previous stage into ``buffer``; returns the work handle."""
+        """Start receiving from the previous stage into ``buffer``; returns the work handle.
+
+        Keep the handle and wait on it before reading ``buffer``: gloo loses a receive whose handle is freed.
+        """
         import torch.distributed as dist
 
         self._check_live()
