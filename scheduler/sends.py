@@ -13,9 +13,9 @@ How a completed send is seen differs by backend:
   ``Work.wait()``, and a second ``wait()`` on a gloo send blocks until the group's timeout. So
   one daemon thread per scheduler (``_Watcher``) waits on the sends, oldest first (the wait
   releases the GIL); a ``SendHandle``'s ``wait()`` waits for that thread's verdict, never on the
-  ``Work`` a second time. Waiting at the scheduler's next receive instead could deadlock (the
-  next stage may post its receive only after something this stage does later) and would stall
-  the pipeline on every receive.
+  ``Work`` a second time. Waiting for the sends at the scheduler's next receive instead could
+  deadlock (the next stage may post its receive only after something this stage does later)
+  and would hold each receive until the next stage has received everything sent before it.
 """
 
 from __future__ import annotations
