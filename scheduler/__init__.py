@@ -6,3 +6,4 @@ never imports it: ``dist_init`` then creates the scheduler when ``pp_size > 1`` 
 """
 
 from scheduler.pipeline import PPScheduler, init_pp_scheduler, pp_scheduler  # noqa: F401
+from scheduler.sends import SendHandle  # noqa: F401

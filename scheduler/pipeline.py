@@ -2,7 +2,8 @@
 
 Stages form a ring: the last stage's next is the first and the first stage's previous is the
 last, as MAGI-1's denoising loop needs to hand the last stage's output back to the first. All
-traffic goes over this rank's pipeline group. The one scheduler of the process is created by
+traffic goes over this rank's pipeline group. Every send is held until it completes (``sends``), so
+a caller may drop what ``isend_next`` returns, as MAGI-1 does. The one scheduler of the process is created by
 ``dist_init`` (through the hook this module registers with parallel_state when imported), by
 ``init_pp_scheduler()``, or on first ``pp_scheduler()``; ``destroy_model_parallel()`` drops it.
 """
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import parallel_state as ps
 from parallel_state import ParallelStateError, ParallelStateWarning
+from scheduler.sends import SendHandle, Sends, send_failed
 
 if TYPE_CHECKING:
     import torch
@@ -31,7 +33,13 @@ class PPScheduler:
 
     Buffers live on the CPU for gloo and on the rank's current CUDA device for NCCL.
     Receives posted with ``queue_irecv_prev`` are collected oldest first by ``queue_irecv_prev_data``.
+    Sends are held until they complete: every call lets go of those that have, a send that failed
+    raises ParallelStateError at the next call, and with ``max_pending_sends`` still in flight
+    ``isend_next`` first waits for the oldest.
     """
+
+    #: Sends in flight before ``isend_next`` waits for the oldest: bounds what the held sends keep alive.
+    max_pending_sends: int = 64
 
     def __init__(self) -> None:
         import torch
@@ -54,13 +62,22 @@ class PPScheduler:
         self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend.lower() \
             else torch.device("cpu")
         self.recv_queue: deque[tuple[Any, torch.Tensor]] = deque()
+        # Only NCCL's Work tells, without a wait, that it has completed (see scheduler.sends).
+        self._sends = Sends(watched="nccl" not in backend.lower())
 
     def _check_live(self) -> None:
+        """Refuse a scheduler of destroyed groups; let go of the sends that have completed."""
         if not self._live:
             raise ParallelStateError(
                 "this PPScheduler belongs to model-parallel groups that destroy_model_parallel() has "
                 "destroyed; get the current one with scheduler.pp_scheduler()"
             )
+        self._sends.prune()
+
+    @property
+    def pending_sends(self) -> int:
+        """How many sends this scheduler holds because they have not been seen to complete."""
+        return len(self._sends)
 
     def _check_tensor(self, tensor: torch.Tensor, what: str) -> None:
         if tensor.device != self.device:
@@ -69,16 +86,34 @@ class PPScheduler:
                 f"move it with .to({str(self.device)!r})"
             )
 
-    def isend_next(self, tensor: torch.Tensor) -> Any:
-        """Start sending ``tensor`` to the next stage; returns the work handle (keep ``tensor`` alive until it completes)."""
+    def isend_next(self, tensor: torch.Tensor) -> SendHandle:
+        """Start sending ``tensor`` (its contiguous copy if it is not contiguous) to the next stage.
+
+        The scheduler holds the send and its tensor until it completes, so the returned handle
+        may be dropped; its ``wait()`` waits for the send.
+        """
         import torch.distributed as dist
 
         self._check_live()
         self._check_tensor(tensor, "the tensor to send")
-        return dist.isend(tensor, dst=self.next_rank, group=self.group)
+        self._sends.make_room(self.max_pending_sends)
+        sent = tensor.contiguous()
+        try:
+            work = dist.isend(sent, dst=self.next_rank, group=self.group)
+        except RuntimeError as exc:  # gloo refuses at once when the next stage has left
+            raise send_failed(self.next_rank, exc) from exc
+        return self._sends.add(work, sent, self.next_rank)
+
+    def wait_sends(self) -> None:
+        """Wait for every send this scheduler holds; ParallelStateError for the first that failed."""
+        self._check_live()
+        self._sends.wait_all()
 
     def irecv_prev(self, buffer: torch.Tensor) -> Any:
-        """Start receiving from the previous stage into ``buffer``; returns the work handle."""
+        """Start receiving from the previous stage into ``buffer``; returns the work handle.
+
+        Keep the handle and wait on it before reading ``buffer``: gloo loses a receive whose handle is freed.
+        """
         import torch.distributed as dist
 
         self._check_live()
@@ -91,6 +126,7 @@ class PPScheduler:
 
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
         self.irecv_prev(buffer).wait()
+        self._sends.prune()
         return buffer
 
     def queue_irecv_prev(self, shape: Sequence[int], dtype: torch.dtype) -> None:
@@ -109,11 +145,13 @@ class PPScheduler:
             )
         handle, buffer = self.recv_queue.popleft()
         handle.wait()
+        self._sends.prune()
         return buffer
 
     def send_next_data(self, tensor: torch.Tensor) -> None:
-        """Send ``tensor`` to the next stage and wait until the send completes."""
-        self.isend_next(tensor).wait()
+        """Send ``tensor`` to the next stage and wait until it and every earlier send complete."""
+        self.isend_next(tensor)
+        self._sends.wait_all()
 
     def _discard_pending(self) -> None:
         """Forget posted receives on teardown, warning about each one nobody collected.
@@ -132,6 +170,20 @@ class PPScheduler:
             f"still in flight); collect every posted receive before tearing down",
             ParallelStateWarning, stacklevel=3,
         )
+
+    def _finish_sends(self) -> None:
+        """On teardown, wait for every held send before the groups go, warning about those that failed.
+
+        A send whose receiver tore down without receiving fails at once (its connection closes);
+        one whose receiver lives on but never receives fails at the group's timeout.
+        """
+        failures = self._sends.close()
+        if failures:
+            warnings.warn(
+                f"destroy_model_parallel() found {len(failures)} send(s) to the next pipeline stage that did "
+                f"not arrive; the first: {failures[0]}",
+                ParallelStateWarning, stacklevel=3,
+            )
 
 
 _scheduler: PPScheduler | None = None
@@ -163,10 +215,14 @@ def _on_dist_init() -> None:
 
 def _on_teardown() -> None:
     global _scheduler
+    # Listed before _scheduler lets go: it is the last reference when the caller holds none (MAGI-1's
+    # pp_scheduler().isend_next(x)), and the scheduler's held sends and receives must be seen to.
+    live = list(_INSTANCES)
     _scheduler = None
-    for sched in list(_INSTANCES):
+    for sched in live:
         sched._live = False
         sched._discard_pending()
+        sched._finish_sends()
     _INSTANCES.clear()
 
 
