@@ -22,18 +22,15 @@ import torch.distributed as dist
 
 import cp
 from cp import call_check, counting, inputs
+from cp.layout import sdpa_gqa
 from cp.shard import gather_cat
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, h: int, scale: float, *,
            causal: bool = False, allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of q to k / v in one process, in any layout (``s``, ``h``: the sequence and head dims; K/V heads
-    repeated for GQA, as torch 2.4, this package's floor, has no ``enable_gqa``); ``allowed``: a bool ``[q tokens,
-    k tokens]`` mask, True where a query sees a key."""
-    groups = q.shape[h] // k.shape[h]
-    if groups > 1:
-        k, v = (x.repeat_interleave(groups, dim=h) for x in (k, v))
-    return cp.sdpa_in_layout(q, k, v, seq_dim=s, head_dim=h, is_causal=causal, attn_mask=allowed, scale=scale)
+    """Attention of q to k / v in one process, in any layout (``s``, ``h``: the sequence and head dims; GQA as
+    ``cp.layout.sdpa_gqa``); ``allowed``: a bool ``[q tokens, k tokens]`` mask, True where a query sees a key."""
+    return sdpa_gqa(q, k, v, seq_dim=s, head_dim=h, is_causal=causal, attn_mask=allowed, scale=scale)
 
 
 class _Gather(torch.autograd.Function):

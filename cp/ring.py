@@ -37,7 +37,7 @@ import torch
 import parallel_state as ps
 from cp import call_check, debug, engine, inputs, mask_schedule, masked, transports
 from cp.comm import global_ranks
-from cp.layout import sdpa_in_layout
+from cp.layout import sdpa_gqa
 from cp.shard import shard_sizes
 
 
@@ -46,23 +46,18 @@ def _contiguous_schedule(causal: bool, blocks: tuple[int, ...], rank: int, devic
     """This rank's schedule of full or causal attention on the contiguous layout of ``blocks`` (cached)."""
     mask = ps.AttentionMask.causal() if causal else ps.AttentionMask.full()
 
-    def make() -> mask_schedule.Schedule:
-        if device.type != "cpu":
-            return _contiguous_schedule(causal, blocks, rank, torch.device("cpu")).to(device)
+    def build() -> mask_schedule.Schedule:
         starts = [sum(blocks[:i]) for i in range(len(blocks))]
         positions = [torch.arange(a, a + b) for a, b in zip(starts, blocks, strict=True)]
         return mask_schedule.build(mask, sum(blocks), positions, rank)
 
-    return mask_schedule.cached((mask, blocks), ("contiguous", rank, str(device)), make)
+    return mask_schedule.cached_on((mask, blocks), ("contiguous", rank), device, build)
 
 
 def _plain(call: inputs.Call) -> torch.Tensor:
-    """Attention in one process (no ring): SDPA, with K/V heads repeated for GQA."""
+    """Attention in one process (no ring): SDPA, GQA as ``cp.layout.sdpa_gqa``."""
     t = call.tensors
-    k, v = t.k, t.v
-    if t.groups > 1:
-        k, v = (x.repeat_interleave(t.groups, dim=t.h) for x in (k, v))
-    return sdpa_in_layout(t.q, k, v, seq_dim=t.s, head_dim=t.h, is_causal=call.causal, scale=call.scale)
+    return sdpa_gqa(t.q, t.k, t.v, seq_dim=t.s, head_dim=t.h, is_causal=call.causal, scale=call.scale)
 
 
 def attend_blocks(call: inputs.Call, blocks: tuple[int, ...], how: str = "blocks") -> torch.Tensor:
