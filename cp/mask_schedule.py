@@ -307,6 +307,17 @@ def cached(owner: Any, params: Any, make: Callable[[], Schedule]) -> Schedule:
     return sched
 
 
+def cached_on(owner: Any, params: Any, device: torch.device, build: Callable[[], Schedule]) -> Schedule:
+    """``cached`` for a schedule on ``device``: ``build`` makes it on the CPU (once), and each other device gets a
+    copy of that one with its index tensors moved there (once each)."""
+    def make() -> Schedule:
+        if device.type == "cpu":
+            return build()
+        return cached_on(owner, params, torch.device("cpu"), build).to(device)
+
+    return cached(owner, (params, str(device)), make)
+
+
 def clear() -> None:
     """Forget every cached schedule."""
     _cache.clear()

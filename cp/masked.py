@@ -28,12 +28,8 @@ from cp.mask_schedule import Schedule
 def schedule(plan: Any, positions_key: Any, positions: Any, rank: int, device: torch.device) -> Schedule:
     """The cached schedule of group rank ``rank`` for ``plan``'s mask on the layout ``positions`` (a function
     of the plan and ``positions_key``, called only when the schedule is built), its indices on ``device``."""
-    def make() -> Schedule:
-        if device.type == "cpu":
-            return mask_schedule.build(plan.mask, plan.length, positions(), rank)
-        return schedule(plan, positions_key, positions, rank, torch.device("cpu")).to(device)
-
-    return mask_schedule.cached(plan, (positions_key, rank, str(device)), make)
+    return mask_schedule.cached_on(plan, (positions_key, rank), device,
+                                   lambda: mask_schedule.build(plan.mask, plan.length, positions(), rank))
 
 
 def attend(t: Tensors, sched: Schedule, group: Any, scale: float, transport: ps.Transport = ps.Transport.P2P,
