@@ -6,17 +6,28 @@ the masked ring of ``usp_attention`` and, after their all-to-all, the masked att
 the global tokens of its layout; the schedule (``cp.mask_schedule``: built once per mask, layout
 and rank, cached) says which block of K/V this rank computes at step t (group rank ``rank - t``'s
 tokens that its queries see) and tiles it (full, causal and masked tiles; ``cp.kernels`` computes
-each with a fused kernel that returns its log-sum-exp). Tiles merge by the online softmax,
-accumulated in float32 (float64 inputs in float64); the output has the input dtype. The backward
-recomputes every tile from the saved log-sum-exp.
+each with a fused kernel that returns its log-sum-exp). The backward recomputes every tile from the saved
+log-sum-exp. Each tile is one fused call over strided 4-d views of q, k and v ([B, H, S, D], heads before the
+sequence: no copies), and its results go where they are needed with as little as it takes (``Cover``):
+
+- rows (or keys) that meet one tile only are written: one tile's result is the pass's as the kernel returned it,
+  consecutive runs are concatenated once into the inputs' layout, rows in any other order written at their rows;
+- rows that several tiles of several ring steps (blocks) meet merge in float32 (float64 inputs in float64): the
+  output by the online softmax, dq and the dK/dV that travel by sums; keys that several tiles of a rank's only
+  block meet (one process: chunk-causal's runs all read the first chunk) sum in the kernels' dtype, as autograd
+  would over one fused call per run.
+
+The output has the input dtype.
 
 How K/V reach the ranks that need them is the call's transport (``AttentionCall.transport``, a class of
-``cp.transports``: ring, p2p or allgather, chosen once per call); the loops below name none. Each pass
-makes one transport object (the backward also its ``Gradients``), posts what it receives first, starts
-step t + 1's transfer before step t's compute so that the two overlap, and waits for it after.
+``cp.transports``: ring, p2p or allgather, chosen once per call); the loop below names none. Both passes run
+one loop over the steps (``_run_steps``): each pass makes one transport object (the backward also its
+``Gradients``), posts what it receives first, starts step t + 1's transfer before step t's compute so that the
+two overlap, and waits for it after.
 
 The cross-rank check of a call's inputs (``AttentionCall.check``, ``cp.call_check``) is started on entry
-and judged after the rank's own block and before any K/V is sent. Where the transport posts its receives
+and judged after the rank's own block and before any K/V is sent: a gate (``_Gate``) before the first send,
+not a branch of the loop. Where the transport posts its receives
 first (p2p on gloo), every pass posts them, then starts one round (the forward's check; in the backward, or
 without a check, an empty row) whose table needs every rank's row, each sent after that rank's receives:
 so every sender finds its receiver ready. A gloo message that arrives before its receive costs the two

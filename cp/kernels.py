@@ -13,9 +13,18 @@ share of the whole one). Three kinds of tile (``cp.mask_schedule.Tile.kind``):
   key blocks of 512, the CUDA ops skip it at their own tile size, so they take the flag whole.
 - ``"masked"``: each row sees one interval of the keys; a [R, C] mask from the intervals.
 
-``choose_kernel`` is a pure function of the device type, dtype, shapes and tile kind, so the choice
-is tested without the device. On CUDA, in this order, where the tile fits (and torch's
-``torch.backends.cuda.*_sdp_enabled()`` allow it):
+``choose_kernel`` is a pure function of the device type, the card (its compute capability), dtype, shapes and
+tile kind, so the choice for every card is tested without one. On CUDA the card sets the order (``cuda_order``,
+as SDPA itself prefers its kernels there), and the first that takes the tile and torch's switches
+(``torch.backends.cuda.enable_*_sdp``, ``sdpa_kernel``) allow runs:
+
+| card (compute capability) | full and causal tiles | masked tiles |
+|---|---|---|
+| Hopper, Blackwell (9.0 and later) | cuDNN, flash, efficient | efficient, cuDNN |
+| Ampere, Ada (8.x) | flash, efficient, cuDNN | efficient, cuDNN |
+| before 8.0 | efficient | efficient |
+
+What each kernel takes:
 
 - ``cuda_flash`` (``aten._scaled_dot_product_flash_attention``): float16 / bfloat16, one feature size
   for q, k and v, a multiple of 8 up to 256; full and causal tiles; GQA natively.
@@ -26,9 +35,12 @@ is tested without the device. On CUDA, in this order, where the tile fits (and t
 - ``cuda_cudnn`` (``aten._scaled_dot_product_cudnn_attention``): float16 / bfloat16, one feature size, a
   multiple of 8 up to 128; bias for masked tiles; K/V heads repeated for GQA.
 
+Every CUDA backward op gets its dropout seed and offset (``philox_state``) where torch's own forward puts them:
+on the device for flash and cuDNN, on the host for memory-efficient.
+
 On a CPU, ``cpu_flash`` (``aten._scaled_dot_product_flash_attention_for_cpu``) takes every tile kind
-(masked ones by an additive mask) when q, k and v have one feature size; it computes in float32
-(float64 inputs in float64), as the merge does. Everything else runs ``math``, the reference: plain
+(masked ones by an additive mask) when q, k and v have one feature size, in the inputs' dtype (half inputs
+accumulate in float32 inside the op, as SDPA runs it). Everything else runs ``math``, the reference: plain
 matmuls that hold the tile's scores, e.g. float64 on CUDA, feature sizes of q/k and v that differ
 (flash, cuDNN, CPU), or not a multiple of 8 (4) on CUDA, head dims above 256 with no other kernel.
 Statistics are float32 for float16 / bfloat16 / float32 inputs (float64 for float64): every fused
