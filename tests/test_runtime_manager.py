@@ -159,18 +159,13 @@ def test_process_group_config_shapes():
 
 @contextmanager
 def _env(values):
-    saved = {k: os.environ.get(k) for k in (*LAUNCH_VARS, *values)}
-    for k in LAUNCH_VARS:
-        os.environ.pop(k, None)
-    os.environ.update(values)
-    try:
+    """Only ``values`` of the launchers' variables set, for the block's duration."""
+    with pytest.MonkeyPatch.context() as patch:
+        for k in LAUNCH_VARS:
+            patch.delenv(k, raising=False)
+        for k, v in values.items():
+            patch.setenv(k, v)
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _sum(group):

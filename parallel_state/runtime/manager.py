@@ -623,7 +623,7 @@ class DistributedManager:
         from parallel_state.runtime.subgroups import build_groups, partition_wanted
 
         made, created = build_groups(f"DistributedManager.{what}", config, {name: partition_wanted(groups, self.rank)},
-                                     timeout=self.__dict__["_timeout"], reuse=lambda ranks: None)
+                                     timeout=self.__dict__["_timeout"], reuse=lambda ranks, sort: None)
         group = made[name]
         state = self.__dict__
         state["_named_created"].extend(created)

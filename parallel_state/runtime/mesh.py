@@ -306,7 +306,7 @@ def _build_fsdp_groups(state: Any, size: int) -> tuple[Any, Any]:
                            lambda sort=sort: _world_fsdp_groups(plan, size, sort))
               for sort in ("shard", "replicate")}
     made, created = build_groups("parallel_state.fsdp_mesh", {"shard_size": size}, wanted, timeout=state.timeout,
-                                 reuse=lambda ranks: _existing_group(state, ranks))
+                                 reuse=lambda ranks, sort: _existing_group(state, ranks))
     _created.extend(created)
     pair = (made["replicate"], made["shard"])
     _borrowed_names.update(pg.group_name for pg in pair)
@@ -347,12 +347,18 @@ def _dead_mesh_class() -> Any:
     return _dead_class
 
 
-def reusable_group(ranks: tuple[int, ...]) -> Any:
-    """A live group holding exactly ``ranks`` in that order (a model-parallel group, or the default group), or None."""
+def reusable_group(ranks: tuple[int, ...], name: str | None = None) -> Any:
+    """A live group holding exactly ``ranks`` in that order, or None: the model-parallel group of kind ``name``
+    where it holds them, else the first kind's that does (``_REUSABLE`` order), else the default group."""
     import torch.distributed as dist
 
     state = _st.peek()
-    existing = _existing_group(state, ranks) if state is not None and state.plan.ranks is None else None
+    existing = None
+    if state is not None and state.plan.ranks is None:
+        if name in state.groups and state.groups[name] is not None and state.ranks(name) == ranks:
+            existing = state.groups[name]
+        else:
+            existing = _existing_group(state, ranks)
     if existing is None and ranks == tuple(range(dist.get_world_size())):
         existing = dist.group.WORLD
     return existing

@@ -38,11 +38,11 @@ def partition_wanted(groups: Sequence[tuple[int, ...]], rank: int) -> Wanted:
 
 
 def build_groups(what: str, config: Mapping[str, Any], wanted: Mapping[str, Wanted], *,
-                 timeout: datetime.timedelta, reuse: Callable[[tuple[int, ...]], Any]) -> tuple[dict[str, Any], list]:
+                 timeout: datetime.timedelta, reuse: Callable[[tuple[int, ...], str], Any]) -> tuple[dict[str, Any], list]:
     """This rank's group of each sort in ``wanted``, and the list of those created here (the caller frees them).
 
     Collective over the world: every rank calls it with an equal ``config`` (checked first, so that a rank
-    called with other values is named on every rank instead of leaving its peers waiting). ``reuse(ranks)``
+    called with other values is named on every rank instead of leaving its peers waiting). ``reuse(ranks, sort)``
     gives an existing group holding exactly ``ranks`` in that order, or None to create one. After an error on
     any rank, every rank has destroyed what it created and raises.
     """
@@ -71,7 +71,7 @@ def build_groups(what: str, config: Mapping[str, Any], wanted: Mapping[str, Want
         for sort, want in wanted.items():
             batch = GroupBatch(timeout=timeout, reserve=want.count)
             batches.append(batch)
-            existing = reuse(want.ranks)
+            existing = reuse(want.ranks, sort)
             made[sort] = existing if existing is not None else batch.create(
                 want.ranks, index=want.index, count=want.count, desc=f"{what} {sort}", all_groups=want.all_groups)
             batch.close()
