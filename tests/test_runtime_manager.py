@@ -359,6 +359,7 @@ def case_mesh_over_model_parallel_groups():
     DistributedManager.initialize()  # adopts the pool's world
     dm = DistributedManager()
     try:
+        domain = dm.initialize_mesh((4,), ("domain",))
         before = set(dist.distributed_c10d._world.pg_map)
         mesh = dm.initialize_mesh((2, 2), ("dp", "cp"))
         out = {"same": (mesh.get_group("cp") is ps.get_context_parallel_group(),
@@ -370,6 +371,7 @@ def case_mesh_over_model_parallel_groups():
         out["names_after_mismatch"] = list(dm.group_names)
         ps.destroy_model_parallel()
         out["dead"] = (type(_error(lambda: mesh.get_group("cp"))).__name__, dm.mesh_dims)
+        out["other_mesh_lives"] = _sum(domain.get_group()) == 10
     finally:
         DistributedManager.cleanup()
     out["world_kept"] = dist.is_initialized()
@@ -381,7 +383,7 @@ def test_mesh_reuses_model_parallel_groups(pools):
         assert out["same"] == (True, True) and out["no_new_group"]
         assert "rank 3" in out["mismatch"] and "size" in out["mismatch"], out["mismatch"]
         assert out["names_after_mismatch"] == []
-        assert out["dead"] == ("ParallelStateError", {}) and out["world_kept"]
+        assert out["dead"] == ("ParallelStateError", {}) and out["other_mesh_lives"] and out["world_kept"]
 
 
 def test_no_warning_once_initialized(clean_env):

@@ -6,7 +6,7 @@ import datetime
 import math
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from parallel_state.errors import (
     ParallelStateAssertionError,
@@ -87,6 +87,16 @@ class InitMethod(StrEnum):
 
 
 _LAUNCHER_OF = {InitMethod.ENV: "torchrun", InitMethod.SLURM: "slurm", InitMethod.OPENMPI: "openmpi"}
+
+
+class _HandedMesh(NamedTuple):
+    """A mesh ``initialize_mesh`` handed out: the groups made for it, the names of those it borrowed, and the
+    model-parallel state whose groups it uses (None: none of them)."""
+
+    mesh: Any
+    created: list[Any]
+    borrowed: set[str]
+    owner: Any
 
 
 class PhysicsNeMoUninitializedDistributedManagerWarning(ParallelStateWarning):
@@ -312,8 +322,8 @@ class DistributedManager:
             _cuda=torch.cuda.is_available(), _distributed=distributed, _backend=backend, _launch=info,
             _method=method, _owns_process_group=owns, _timeout=timeout or DEFAULT_TIMEOUT,
             _groups={}, _group_ranks={}, _group_names={}, _group_size={}, _group_rank={}, _named_created=[],
-            _global_mesh=None, _mesh_dims={}, _meshes=[], _mesh_created=[], _mesh_borrowed=set(), _mesh_owner=None,
-            _mesh_groups={}, _mesh_groups_created=[], _is_initialized=True,
+            _global_mesh=None, _mesh_dims={}, _meshes=[], _mesh_groups={}, _mesh_groups_created=[],
+            _is_initialized=True,
         )
 
     @classmethod
@@ -352,19 +362,28 @@ class DistributedManager:
             state.clear()
 
     @classmethod
-    def _free_meshes(cls) -> None:
-        """Kill every mesh handed out here and free the groups made for them (and for ``get_mesh_group``)."""
+    def _free_meshes(cls, borrowing_from: Any = None) -> None:
+        """Kill the meshes handed out here and free the groups made for them: all of them (and the groups made for
+        ``get_mesh_group``), or only those that use the model-parallel groups of ``borrowing_from``."""
         state = cls._shared_state
         if not state.get("_meshes") and not state.get("_mesh_groups_created"):
             return
         from parallel_state.groups.create import destroy_groups
         from parallel_state.runtime.mesh import retire
 
-        doomed = [*state["_mesh_created"], *state["_mesh_groups_created"],
-                  *retire(state["_meshes"], state["_mesh_borrowed"])]
-        state.update(_global_mesh=None, _mesh_dims={}, _meshes=[], _mesh_created=[], _mesh_borrowed=set(),
-                     _mesh_owner=None, _mesh_groups={}, _mesh_groups_created=[])
-        destroy_groups(doomed)
+        doomed = [m for m in state["_meshes"] if borrowing_from is None or m.owner is borrowing_from]
+        state["_meshes"] = [m for m in state["_meshes"] if m not in doomed]
+        groups = [pg for m in doomed for pg in m.created]
+        for m in doomed:
+            groups.extend(retire([m.mesh], m.borrowed))
+        if any(m.mesh is state["_global_mesh"] for m in doomed):
+            state.update(_global_mesh=None, _mesh_dims={})
+        # A cached group may be a model-parallel one; groups made here stay listed until cleanup() frees them.
+        state["_mesh_groups"] = {}
+        if borrowing_from is None:
+            groups.extend(state["_mesh_groups_created"])
+            state["_mesh_groups_created"] = []
+        destroy_groups(groups)
 
     # --- properties --------------------------------------------------------------------------
 
@@ -387,7 +406,12 @@ class DistributedManager:
     def device(self) -> Any:
         """Where this rank computes: ``cuda:local_rank`` where CUDA is available (whatever the backend), else the
         CPU. Collectives run on ``parallel_state.collective_device()``, the CPU under gloo."""
-        return self.__dict__["_device"]
+        device = self.__dict__.get("_device")
+        if device is None:  # an instance kept across cleanup()
+            import torch
+
+            device = torch.device("cpu")
+        return device
 
     @property
     def distributed(self) -> bool:
@@ -452,12 +476,9 @@ class DistributedManager:
         shape, names = _mesh_spec(mesh_shape, mesh_dim_names, self.world_size)
         mesh, created, borrowed = world_mesh(shape, names, self.device.type, self.__dict__["_timeout"])
         state = self.__dict__
-        state["_meshes"].append(mesh)
-        state["_mesh_created"].extend(created)
-        state["_mesh_borrowed"].update(borrowed)
         live = _st.peek()
-        if live is not None and any(pg.group_name in borrowed for pg in live.groups.values() if pg is not None):
-            state["_mesh_owner"] = live
+        uses_live = live is not None and any(pg.group_name in borrowed for pg in live.groups.values() if pg is not None)
+        state["_meshes"].append(_HandedMesh(mesh, created, borrowed, live if uses_live else None))
         state.update(_global_mesh=mesh, _mesh_dims=dict(zip(names, shape, strict=True)))
         return mesh
 
@@ -677,9 +698,10 @@ def _mesh_spec(mesh_shape: Any, mesh_dim_names: Any, world: int) -> tuple[tuple[
 
 
 def _model_parallel_torn_down() -> None:
-    """Teardown hook: a manager mesh that borrowed the model-parallel groups dies with them."""
-    if DistributedManager._shared_state.get("_mesh_owner") is not None:
-        DistributedManager._free_meshes()
+    """Teardown hook: a manager mesh that uses the model-parallel groups dies with them."""
+    owners = {id(m.owner): m.owner for m in DistributedManager._shared_state.get("_meshes", ()) if m.owner is not None}
+    for owner in owners.values():
+        DistributedManager._free_meshes(borrowing_from=owner)
 
 
 _st.register_teardown_hook(_model_parallel_torn_down)

@@ -349,19 +349,17 @@ def _dead_mesh_class() -> Any:
 
 def reusable_group(ranks: tuple[int, ...], name: str | None = None) -> Any:
     """A live group holding exactly ``ranks`` in that order, or None: the model-parallel group of kind ``name``
-    where it holds them, else the first kind's that does (``_REUSABLE`` order), else the default group."""
+    where it holds them, else the default group for the whole world (it outlives every other), else the first
+    kind's group that holds them (``_REUSABLE`` order)."""
     import torch.distributed as dist
 
     state = _st.peek()
-    existing = None
-    if state is not None and state.plan.ranks is None:
-        if name in state.groups and state.groups[name] is not None and state.ranks(name) == ranks:
-            existing = state.groups[name]
-        else:
-            existing = _existing_group(state, ranks)
-    if existing is None and ranks == tuple(range(dist.get_world_size())):
-        existing = dist.group.WORLD
-    return existing
+    live = state is not None and state.plan.ranks is None
+    if live and name in state.groups and state.groups[name] is not None and state.ranks(name) == ranks:
+        return state.groups[name]
+    if ranks == tuple(range(dist.get_world_size())):
+        return dist.group.WORLD
+    return _existing_group(state, ranks) if live else None
 
 
 def world_mesh(shape: tuple[int, ...], names: tuple[str, ...], device_type: str,
