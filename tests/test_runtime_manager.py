@@ -104,13 +104,16 @@ def test_forced_method_and_bad_setup_arguments(clean_env):
     clean_env.setenv("PHYSICSNEMO_DISTRIBUTED_INITIALIZATION_METHOD", "MPI")
     with pytest.raises(ValueError, match="'MPI' is not one of"):
         DistributedManager.initialize()
-    rows = [(dict(rank=2, world_size=2), "rank must be an int in"),
-            (dict(rank=1, world_size=2, local_rank=2), "local_rank must be"),
+    rows = [(dict(rank=2, world_size=2), "rank=2 is outside the world of world_size=2"),
+            (dict(rank=1, world_size=2, local_rank=2), "local_rank=2 must be at most the global rank 1"),
+            (dict(rank=-1, world_size=2), "rank must be >= 0"),
+            (dict(world_size="2"), "world_size must be a positive int"),
             (dict(world_size=2, port="http"), "MASTER_PORT='http' is not an integer"),
             (dict(world_size=2, method="pbs"), "method='pbs' is not one of"),
-            (dict(world_size=2, addr=""), "addr must be")]
+            (dict(world_size=2, addr=""), "addr must be"),
+            (dict(world_size=2, timeout=5), "timeout must be a positive datetime.timedelta")]
     for kwargs, message in rows:
-        with pytest.raises(ParallelStateError, match=message):
+        with pytest.raises((ParallelStateError, TypeError), match=message):
             DistributedManager.setup(backend="gloo", **kwargs)
     assert not DistributedManager.is_initialized() and "MASTER_PORT" not in os.environ
 
@@ -272,7 +275,8 @@ def case_launchers(ports, rejoin):
                 else:
                     DistributedManager.initialize_open_mpi("127.0.0.1", port)
                 dm = DistributedManager()
-                r = {"who": (dm.rank, dm.world_size, dm.local_rank, dm.launch.launcher, dist.get_world_size())}
+                r = {"who": (dm.rank, dm.world_size, dm.local_rank, dm.launch.launcher, dist.get_world_size()),
+                     "str": str(dm)}
                 r.update(_nvalchemi_calls(dm))
                 mesh, names = r.pop("kept")
                 DistributedManager.cleanup()
@@ -301,6 +305,8 @@ def test_launchers_and_nvalchemi_calls(pools, world, tmp_path_factory):
         for entry in ENTRIES:
             r = out[entry]
             assert r["who"] == (rank, world, rank, launcher[entry], world), (entry, r["who"])
+            method = {"torchrun": "env", "slurm": "slurm", "openmpi": "openmpi"}[launcher[entry]]
+            assert r["str"] == f"Initialized process {rank} of {world} using method '{method}'. Device set to cpu"
             # The pool hides every GPU: the rank-local device and the collectives' are both the CPU.
             assert (r["device"], r["cuda"], r["collective"], r["device_type"]) == ("cpu", False, "cpu", "cpu")
             assert r["domain_is_world"] and r["mesh_group"] and r["global"], entry

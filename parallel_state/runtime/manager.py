@@ -20,6 +20,7 @@ from parallel_state.groups.consistency import DEFAULT_TIMEOUT
 from parallel_state.runtime.group_config import creation_order, orthogonal_name
 from parallel_state.runtime.launch import LaunchInfo, detect_launch
 from parallel_state.runtime.subgroups import blocks, transpose
+from parallel_state.topology.arguments import non_negative_int, positive_int
 from parallel_state.topology.str_enum import StrEnum, one_of
 
 if TYPE_CHECKING:  # only for annotations: importing parallel_state must not import torch
@@ -134,10 +135,9 @@ def _rank_local_device(local_rank: int, backend: str) -> Any:
     return torch.device("cpu")
 
 
-def _positive_int(what: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ParallelStateTypeError(f"{what} must be an int >= {minimum}, got {value!r}")
-    return value
+def _check_timeout(timeout: Any) -> None:
+    if timeout is not None and (not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0):
+        raise TypeError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
 
 
 def _group_key(name: Any) -> str:
@@ -219,18 +219,21 @@ class DistributedManager:
         """
         if cls._already("setup"):
             return
-        _positive_int("world_size", world_size)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ParallelStateValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
+        world_size = positive_int("world_size", world_size)
+        rank = non_negative_int("rank", rank)
+        if rank >= world_size:
+            raise ParallelStateValueError(f"rank={rank} is outside the world of world_size={world_size} ranks")
         if local_rank is None:
             count = _cuda_device_count()
             local_rank = rank % count if count else rank
-        if isinstance(local_rank, bool) or not isinstance(local_rank, int) or not 0 <= local_rank <= rank:
-            raise ParallelStateValueError(f"local_rank must be an int in [0, rank={rank}], got {local_rank!r}")
+        local_rank = non_negative_int("local_rank", local_rank)
+        if local_rank > rank:
+            raise ParallelStateValueError(f"local_rank={local_rank} must be at most the global rank {rank}")
         if not isinstance(addr, str) or not addr:
             raise ParallelStateTypeError(f"addr must be the rendezvous host name or address, got {addr!r}")
         if not isinstance(backend, str) or not backend:
             raise TypeError(f"backend must be a backend name such as 'nccl' or 'gloo', got {backend!r}")
+        _check_timeout(timeout)
         kind = InitMethod(one_of("DistributedManager.setup", "method", method, tuple(InitMethod)))
         env = {"MASTER_ADDR": addr, "MASTER_PORT": str(port)}
         # The launch is read back through the launcher's own checks (a malformed port is named there).
@@ -275,8 +278,7 @@ class DistributedManager:
     def _start(cls, info: LaunchInfo, backend: str | None, timeout: datetime.timedelta | None,
                method: InitMethod | None) -> None:
         """Start (or adopt) ``torch.distributed`` for ``info`` and record the launch; nothing is kept on an error."""
-        if timeout is not None and (not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0):
-            raise TypeError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+        _check_timeout(timeout)
         import torch
         import torch.distributed as dist
 
@@ -320,7 +322,8 @@ class DistributedManager:
         cls._shared_state.update(
             _rank=rank, _world_size=world, _local_rank=local_rank, _device=device, _collective_device=collective,
             _cuda=torch.cuda.is_available(), _distributed=distributed, _backend=backend, _launch=info,
-            _method=method, _owns_process_group=owns, _timeout=timeout or DEFAULT_TIMEOUT,
+            _method=method or next((m for m in InitMethod if m.launcher == info.launcher), None),
+            _owns_process_group=owns, _timeout=timeout or DEFAULT_TIMEOUT,
             _groups={}, _group_ranks={}, _group_names={}, _group_size={}, _group_rank={}, _named_created=[],
             _global_mesh=None, _mesh_dims={}, _meshes=[], _mesh_groups={}, _mesh_groups_created=[],
             _is_initialized=True,
@@ -584,7 +587,7 @@ class DistributedManager:
         manager = DistributedManager()
         manager._require_distributed("create_process_subgroup")
         _group_key(name)
-        _positive_int("size", size)
+        size = positive_int("size", size)
         if name in manager.group_names:
             raise ParallelStateAssertionError(f"a group named {name!r} already exists; pick another name, or "
                                               f"cleanup() to start over")
@@ -655,6 +658,11 @@ class DistributedManager:
         state["_group_rank"][name] = dist.get_rank(group)
         if verbose and self.rank == 0:
             print(f"Process group '{name}':\n" + "\n".join(f"     {list(g)}" for g in groups), flush=True)
+
+    def __str__(self) -> str:
+        method = self.__dict__.get("_method")
+        return (f"Initialized process {self.rank} of {self.world_size} using method "
+                f"'{method if method is not None else 'None'}'. Device set to {self.device}")
 
     def __repr__(self) -> str:
         return (f"DistributedManager(rank={self.rank}, world_size={self.world_size}, local_rank={self.local_rank}, "
