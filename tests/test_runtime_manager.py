@@ -218,6 +218,12 @@ def _nvalchemi_calls(dm):
     ddp(torch.full((1, 2), float(rank))).sum().backward()
     out["ddp_grad"] = model.weight.grad.tolist()
     out["dup"] = str(_error(lambda: DistributedManager.create_process_subgroup("model_parallel", 1)))
+    # Refused on every rank alike before any collective, saying what to do.
+    out["refused"] = [f"{type(e).__name__}: {e}" for e in (
+        _error(lambda: DistributedManager.create_process_subgroup("thirds", 3)),
+        _error(lambda: DistributedManager.create_orthogonal_process_group("x", "nope")),
+        _error(lambda: DistributedManager.create_orthogonal_process_group("data_parallel", "model_parallel")),
+        _error(lambda: dm.group_name(dist.group.WORLD)))]
     out["made"] = len(set(dist.distributed_c10d._world.pg_map) - before)
     out["kept"] = (mesh, list(dm.group_names))
     return out
@@ -320,6 +326,12 @@ def test_launchers_and_nvalchemi_calls(pools, world, tmp_path_factory):
             # One DDP step over the data-parallel group: the mean of its ranks' gradients.
             assert r["ddp_grad"] == [[sum(dp) / len(dp)] * 2], r["ddp_grad"]
             assert "already exists" in r["dup"]
+            thirds, missing, exists, unnamed = r["refused"]
+            assert thirds.startswith("ParallelStateAssertionError: cannot divide group size") and \
+                f"subgroups of size 3; pass one of {[d for d in range(1, world + 1) if world % d == 0]}" in thirds
+            assert missing.startswith("ParallelStateValueError: no group named 'nope' exists")
+            assert exists.startswith("ParallelStateValueError: a group named 'data_parallel' already exists")
+            assert unnamed.startswith("ParallelStateValueError: DistributedManager.group_name:")
             assert r["after"] == (False, False, ["model_parallel", "data_parallel"], "ParallelStateError")
             if world >= 2:
                 domain = world // 2
