@@ -149,9 +149,14 @@ from parallel_state.runtime.dist_init import (  # noqa: F401
     is_last_tp_cp_rank,
     register_dist_init_hook,
 )
+from parallel_state.runtime.group_config import ProcessGroupConfig, ProcessGroupNode  # noqa: F401
 from parallel_state.runtime.launch import LaunchInfo, detect_launch  # noqa: F401
 from parallel_state.runtime.log import print_per_rank, print_rank_0  # noqa: F401
-from parallel_state.runtime.manager import DistributedManager  # noqa: F401
+from parallel_state.runtime.manager import (  # noqa: F401
+    DistributedManager,
+    PhysicsNeMoUndefinedGroupError,
+    PhysicsNeMoUninitializedDistributedManagerWarning,
+)
 from parallel_state.runtime.mesh import device_mesh, fsdp_mesh  # noqa: F401
 from parallel_state.runtime.resolve import collective_device, resolve_global_rank, resolve_world_size  # noqa: F401
 from parallel_state.topology.attention_mask import AttentionMask  # noqa: F401

@@ -3,8 +3,8 @@
 DistributedManager.initialize() must recognise the Open MPI launch from OMPI_COMM_WORLD_* alone
 (no torchrun variables, no MASTER_ADDR: one node means the loopback address), then dist_init
 builds cp 2 x pp 2 and every group, and device_mesh(), is checked against the plan with a real
-collective. Each rank prints ``OK rank <r> local <l>``; any failed check raises, so mpirun exits
-non-zero.
+collective; then the manager's meshes (over those very groups) and a named group. Each rank prints
+``OK rank <r> local <l>``; any failed check raises, so mpirun exits non-zero.
 """
 
 from __future__ import annotations
@@ -45,6 +45,15 @@ def main() -> str:
         t = torch.tensor([rank + 1])
         dist.all_reduce(t, group=group)
         assert t.item() == sum(r + 1 for r in ranks), (kind, t.item(), ranks)
+    # nvalchemi's calls: a 1-D world mesh is the world's group; a (pp, cp) mesh is the live groups themselves.
+    world_mesh = manager.initialize_mesh(mesh_shape=(4,), mesh_dim_names=("domain",))
+    assert manager.get_mesh_group(world_mesh) is dist.group.WORLD
+    pp_cp = manager.initialize_mesh(mesh_shape=(2, -1), mesh_dim_names=("pp", "cp"))
+    assert pp_cp.get_group("cp") is groups["cp"] and pp_cp.get_group("pp") is groups["pp"], "not the live groups"
+    ps.DistributedManager.create_process_subgroup("model_parallel", 2)
+    t = torch.tensor([rank + 1])
+    dist.all_reduce(t, group=manager.group("model_parallel"))
+    assert t.item() == (3 if rank < 2 else 7) and manager.group_rank("model_parallel") == rank % 2, t.item()
     ps.DistributedManager.cleanup()
     assert not dist.is_initialized() and not ps.is_initialized()
     return f"OK rank {rank} local {local}"

@@ -96,16 +96,33 @@ def read_launcher_int(launcher: _Launcher, field: str, environ: Mapping[str, str
     return _int_var(env, var)
 
 
-def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo:
+def detect_launch(environ: Mapping[str, str] | None = None, launcher: str | None = None) -> LaunchInfo:
     """Detect the launcher from the environment (torchrun, SLURM, Open MPI, else single process).
 
+    ``launcher`` (one of :data:`LAUNCHERS`' names) reads that launcher's variables only, whatever else is set.
     Raises ParallelStateError listing every missing variable when a launcher is named but its
     environment is incomplete, and when a value is malformed or out of range.
     """
     env = os.environ if environ is None else environ
-    launcher = named_launcher(env)
     if launcher is None:
-        return LaunchInfo("single", 0, 1, 0)
+        chosen = named_launcher(env)
+        if chosen is None:
+            return LaunchInfo("single", 0, 1, 0)
+    else:
+        chosen = next((known for known in LAUNCHERS if known.name == launcher), None)
+        if chosen is None:
+            raise ParallelStateError(f"unknown launcher {launcher!r}; known: {[known.name for known in LAUNCHERS]}")
+        if not any(m in env for m in chosen.markers):
+            raise ParallelStateError(
+                f"a {launcher} launch was asked for, but none of {', '.join(chosen.markers)} is set in the "
+                f"environment; start the processes with {launcher}, or use DistributedManager.initialize() to "
+                f"detect the launcher"
+            )
+    return _read_launch(env, chosen)
+
+
+def _read_launch(env: Mapping[str, str], launcher: _Launcher) -> LaunchInfo:
+    """The named ``launcher``'s ranks and rendezvous, every variable checked."""
     found: dict[str, str] = {}
     missing: list[str] = []
     for field, names in launcher.fields.items():

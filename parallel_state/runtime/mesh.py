@@ -299,61 +299,15 @@ def _world_fsdp_groups(plan: Any, size: int, sort: str) -> Iterator[tuple[int, .
 def _build_fsdp_groups(state: Any, size: int) -> tuple[Any, Any]:
     """This rank's (replicate, shard) groups for ``size``: reused, or created members-only; all ranks or none."""
     global _owner
-    from parallel_state.groups.consistency import check_same_everywhere, confirm_everywhere
-    from parallel_state.groups.create import GroupBatch, destroy_groups
+    from parallel_state.runtime.subgroups import Wanted, build_groups
 
     plan = state.plan
-    # Before any group, so that a rank called with another shard_size is named on every rank
-    # instead of leaving its peers waiting in new_group.
-    check_same_everywhere("parallel_state.fsdp_mesh", {"shard_size": size}, timeout=state.timeout)
-    wanted = _fsdp_wanted(plan, state.rank, size)
-    # The outer batch reserves both spans; each sort gets its own batch inside it, so the
-    # counter moves by the same amount on every rank whichever groups are reused here.
-    outer = GroupBatch(timeout=state.timeout, reserve=sum(count for _, _, count in wanted.values()))
-    batches: list[Any] = []
-    made: dict[str, Any] = {}
-
-    def undo() -> None:
-        made.clear()
-        created = [pg for batch in batches for pg in batch.created]
-        for batch in batches:
-            batch.created = []
-        try:
-            destroy_groups(created)
-        except Exception:  # the error that brought us here is the one to report
-            pass
-
-    error: Exception | None = None
-    try:
-        for sort in ("shard", "replicate"):
-            ranks, index, count = wanted[sort]
-            batch = GroupBatch(timeout=state.timeout, reserve=count)
-            batches.append(batch)
-            existing = _existing_group(state, ranks)
-            made[sort] = existing if existing is not None else batch.create(
-                ranks, index=index, count=count, desc=f"fsdp-{sort}",
-                all_groups=lambda sort=sort: _world_fsdp_groups(plan, size, sort))
-            batch.close()
-        for batch in batches:
-            batch.wait_for_members()
-    except Exception as exc:  # tell the other ranks before raising, so that they undo theirs
-        error = exc
-    except BaseException:  # an interrupt: undo here, and no collective on the way out
-        outer.close()
-        undo()
-        raise
-    outer.close()
-    try:
-        confirm_everywhere("parallel_state.fsdp_mesh (group creation)", error, timeout=state.timeout)
-    except BaseException:
-        undo()
-        raise
-    if error is not None:
-        undo()
-        raise error
-    for batch in batches:
-        _created.extend(batch.created)
-        batch.created = []
+    wanted = {sort: Wanted(*_fsdp_wanted(plan, state.rank, size)[sort],
+                           lambda sort=sort: _world_fsdp_groups(plan, size, sort))
+              for sort in ("shard", "replicate")}
+    made, created = build_groups("parallel_state.fsdp_mesh", {"shard_size": size}, wanted, timeout=state.timeout,
+                                 reuse=lambda ranks, sort: _existing_group(state, ranks))
+    _created.extend(created)
     pair = (made["replicate"], made["shard"])
     _borrowed_names.update(pg.group_name for pg in pair)
     _fsdp_groups[size] = pair
@@ -379,17 +333,115 @@ def _dead_mesh_class() -> Any:
                 return object.__getattribute__(self, name)
             raise ParallelStateError(
                 f"this DeviceMesh (used for {name!r}) was built by parallel_state over process groups that "
-                f"destroy_model_parallel() has freed; call parallel_state.device_mesh() or fsdp_mesh() again "
-                f"after initialize_model_parallel(...), and rebuild what holds the old mesh (DTensors, "
+                f"destroy_model_parallel() or DistributedManager.cleanup() has freed; build the mesh again "
+                f"(device_mesh(), fsdp_mesh() after initialize_model_parallel(...), or "
+                f"DistributedManager().initialize_mesh(...)), and rebuild what holds the old mesh (DTensors, "
                 f"fully_shard modules)"
             )
 
         def __repr__(self) -> str:
             names = object.__getattribute__(self, "_mesh_dim_names")
-            return f"DeadDeviceMesh({names}, freed by destroy_model_parallel())"
+            return f"DeadDeviceMesh({names}, its groups freed)"
 
     _dead_class = DeadDeviceMesh
     return _dead_class
+
+
+def reusable_group(ranks: tuple[int, ...], name: str | None = None) -> Any:
+    """A live group holding exactly ``ranks`` in that order, or None: the model-parallel group of kind ``name``
+    where it holds them, else the default group for the whole world (it outlives every other), else the first
+    kind's group that holds them (``_REUSABLE`` order)."""
+    import torch.distributed as dist
+
+    state = _st.peek()
+    live = state is not None and state.plan.ranks is None
+    if live and name in state.groups and state.groups[name] is not None and state.ranks(name) == ranks:
+        return state.groups[name]
+    if ranks == tuple(range(dist.get_world_size())):
+        return dist.group.WORLD
+    return _existing_group(state, ranks) if live else None
+
+
+def world_mesh(shape: tuple[int, ...], names: tuple[str, ...], device_type: str,
+               timeout: Any) -> tuple[DeviceMesh, list[Any], set[str]]:
+    """The DeviceMesh over the whole world laid out row-major, as ``init_device_mesh`` lays it out.
+
+    Collective over the world. Each dimension's group is the live one holding its ranks where there is one
+    (:func:`reusable_group`), else created members-only. Returns the mesh, the groups created for it (the
+    caller frees them) and the names of those it borrowed.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from parallel_state.groups.create import destroy_groups
+    from parallel_state.runtime.subgroups import build_groups, partition_wanted
+
+    what = "DistributedManager.initialize_mesh"
+    rank = dist.get_rank()
+    tensor = torch.arange(dist.get_world_size(), dtype=torch.int).reshape(shape)
+    wanted = {name: partition_wanted([tuple(line) for line in tensor.movedim(i, -1).reshape(-1, shape[i]).tolist()],
+                                     rank)
+              for i, name in enumerate(names)}
+    made, created = build_groups(what, {"mesh_shape": list(shape), "mesh_dim_names": list(names)}, wanted,
+                                 timeout=timeout, reuse=reusable_group)
+    try:
+        coords = tuple(int(c) for c in (tensor == rank).nonzero()[0])
+        _check_lines(what, tensor, rank, coords, names, made, {n: wanted[n].ranks for n in names}, "row-major")
+        mesh = DeviceMesh.from_group([made[n] for n in names], device_type, mesh=tensor, mesh_dim_names=names)
+    except BaseException:
+        made.clear()
+        destroy_groups(created)
+        raise
+    mine = {id(pg) for pg in created}
+    return mesh, created, {pg.group_name for pg in made.values() if id(pg) not in mine}
+
+
+def flat_group(ranks: tuple[int, ...], timeout: Any) -> tuple[Any, bool]:
+    """One group over ``ranks`` (sorted global ranks), made by its members only; returns it and whether it is new.
+
+    A live group holding them (:func:`reusable_group`) is reused. Only the members call this, so the group's
+    name comes from a range they agree on through the default store (``subset_base``).
+    """
+    from parallel_state.groups.create import GroupBatch, destroy_groups, subset_base
+
+    existing = reusable_group(ranks)
+    if existing is not None:
+        return existing, False
+    batch = GroupBatch(timeout=timeout, base=subset_base(ranks, 1, timeout))
+    try:
+        group = batch.create(ranks, index=0, count=1, desc="DistributedManager.get_mesh_group")
+        batch.wait_for_members()
+    except BaseException:
+        destroy_groups(batch.created)
+        raise
+    finally:
+        batch.close()
+    return group, True
+
+
+def retire(meshes: list[Any], borrowed: set[str]) -> list[Any]:
+    """Turn every mesh in ``meshes`` into a dead one; return the groups DeviceMesh created for them itself.
+
+    ``borrowed``: names of the groups the meshes were given, which belong to someone else. The caller
+    destroys what is returned (nobody else would ever free it).
+    """
+    import torch.distributed as dist
+
+    default = dist.group.WORLD
+    default_name = default.group_name if default is not None else None
+    dead = _dead_mesh_class()
+    doomed: list[Any] = []
+    for mesh in meshes:
+        registry = mesh.__dict__.get(_REGISTRY, {})
+        # Groups DeviceMesh created itself for this mesh (_flatten, _unflatten) sit in the root's
+        # registry beside the borrowed ones.
+        doomed.extend(pg for name, pg in registry.items()
+                      if name not in borrowed and name != default_name and pg not in doomed)
+        registry.clear()  # the freed groups must not stay reachable from a mesh someone kept
+        mesh.__dict__.get(_FLATTENED, {}).clear()
+        mesh.__class__ = dead
+    return doomed
 
 
 def _drop() -> None:
@@ -398,27 +450,14 @@ def _drop() -> None:
     _owner = None
     if not (_meshes or _fsdp_meshes or _created):
         return
-    import torch.distributed as dist
-
     from parallel_state.groups.create import destroy_groups
 
     meshes = [*_meshes.values(), *_fsdp_meshes.values()]
     _meshes.clear()
     _fsdp_meshes.clear()
     _fsdp_groups.clear()
-    default = dist.group.WORLD
-    default_name = default.group_name if default is not None else None
     doomed, _created[:] = list(_created), []
-    dead = _dead_mesh_class()
-    for mesh in meshes:
-        registry = mesh.__dict__.get(_REGISTRY, {})
-        # Groups DeviceMesh created itself for this mesh (_flatten, _unflatten) sit in the root's
-        # registry beside the borrowed ones; nobody else would ever free them.
-        doomed.extend(pg for name, pg in registry.items()
-                      if name not in _borrowed_names and name != default_name and pg not in doomed)
-        registry.clear()  # the freed groups must not stay reachable from a mesh someone kept
-        mesh.__dict__.get(_FLATTENED, {}).clear()
-        mesh.__class__ = dead
+    doomed.extend(retire(meshes, _borrowed_names))
     meshes.clear()
     _borrowed_names.clear()
     destroy_groups(doomed)

@@ -55,16 +55,16 @@ def resolve_global_rank(global_rank: int | None = None) -> int:
     return 0
 
 
-def collective_device() -> Any:
+def collective_device(fallback: Any = "cpu") -> Any:
     """The device collectives run on: the CPU for gloo, the rank-local CUDA device for NCCL.
 
     Outside a distributed run it is the launcher's local CUDA device (or the current one) when
-    CUDA is available, else the CPU.
+    CUDA is available, else ``fallback`` (nvalchemi's keyword; the CPU by default).
     """
     import torch
 
     if DistributedManager.is_initialized():
-        return _manager_value("_device")
+        return _manager_value("_collective_device")
     if dist_ready():
         import torch.distributed as dist
 
@@ -73,7 +73,7 @@ def collective_device() -> Any:
         bound = getattr(dist.group.WORLD, "bound_device_id", None)
         return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
     if not torch.cuda.is_available():
-        return torch.device("cpu")
+        return torch.device(fallback)
     launcher = named_launcher()
     if launcher is not None:
         return local_cuda_device(read_launcher_int(launcher, "local_rank"))
