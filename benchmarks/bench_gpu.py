@@ -12,7 +12,7 @@ bshd, p2p; no_mask on the contiguous split, causal on TE's DualChunkSwap layout)
 (``cp.megatron.DotProductAttention``, sbhd, p2p on the DualChunkSwap layout: causal, and chunk-causal as ``mask=``;
 rows skipped without megatron-core), forward + backward in bfloat16. On a world of one, each mask also has a
 FlexAttention row (``gpu_peers.flex``: compiled ``flex_attention`` with a block mask built from the same
-``cp.Mask``'s key ranges; compiled once per shape, outside the timing; its failure is the row's status).
+``cp.Mask``'s key ranges; compiled at its first call, outside the timing; its failure is the row's status).
 Against one process:
 
 - error: out, dq, dk, dv against a float32 reference (one process's fused SDPA under the dense

@@ -207,9 +207,9 @@ def flex(mask: Any, length: int, device: Any) -> Flex:
         return Flex(eager, "eager, forward only", backward=False)
     import torch._dynamo
 
-    # One compiled kernel serves every mask of a shape (dynamo guards the mask function by its code, and lo / hi
-    # are its inputs); each shape compiles anew, and past the recompile limit dynamo would fall back to eager
-    # FlexAttention, whose dense scores do not fit at the video size: keep the limit out of the way.
+    # One compiled kernel can serve every mask of a shape (dynamo guards the mask function by its code, and lo / hi
+    # are its inputs: seen on a CPU); each shape compiles anew, and past the recompile limit dynamo would fall back
+    # to eager FlexAttention, whose dense scores do not fit at the video size: keep the limit out of the way.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = torch.compile(flex_attention, dynamic=False)
     return Flex(lambda q, k, v: call(compiled, q, k, v), "compiled", backward=True)
