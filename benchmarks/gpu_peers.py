@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from benchmarks.bench_attention import time_in_turns
+from benchmarks.flex_mask import block_mask
 from benchmarks.harness import median
 
 #: Floating-point operations per allowed (query, key) pair, per head and per unit of head dim: the forward's two
@@ -180,23 +181,18 @@ class Flex:
 
 
 def flex(mask: Any, length: int, device: Any) -> Flex:
-    """FlexAttention for ``mask`` on ``length`` tokens: its block mask built by ``create_block_mask`` from the
-    mask's key ranges (query i may attend keys lo[i] <= j < hi[i]), compiled with ``torch.compile`` on CUDA (the
+    """FlexAttention for ``mask`` on ``length`` tokens: its block mask built from the mask's key ranges
+    (``flex_mask.block_mask``), compiled with ``torch.compile`` on CUDA (the
     first call compiles), eager on a CPU. Raises what torch raises where it has no FlexAttention."""
     import warnings
 
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-    lo, hi = mask.key_range(torch.arange(length, device=device), length)
-
-    def allowed(b: Any, h: Any, q: Any, kv: Any) -> Any:
-        return (kv >= lo[q]) & (kv < hi[q])
-
-    block_mask = create_block_mask(allowed, None, None, length, length, device=device)
+    blocks = block_mask(mask, length, device)
 
     def call(kernel: Callable[..., Any], q: Any, k: Any, v: Any) -> Any:
-        return kernel(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=block_mask).transpose(1, 2)
+        return kernel(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=blocks).transpose(1, 2)
 
     if device.type != "cuda":
         def eager(q: Any, k: Any, v: Any) -> Any:
