@@ -1,4 +1,5 @@
-"""The GPU check: ring, usp, masked attention and both faces in bfloat16 against one process's SDPA: error, memory, time.
+"""The GPU check: ring, usp, masked attention and both faces in bfloat16 beside one process's SDPA and FlexAttention:
+error, memory, host and device time, TFLOP/s against the card's ceiling.
 
 For each shape (a small one and a realistic video DiT size, 24 heads x 128, 21 latent frames of 1,560
 tokens = 32,760 tokens, batch 1), each call and each mask kind (full, causal, chunk-causal,
@@ -9,16 +10,23 @@ on the contiguous split and masked (``plan=cp.plan_dispatch(mask, length, n)``, 
 Transformer Engine's face (``cp.transformer_engine.DotProductAttention``, built as Cosmos builds it,
 bshd, p2p; no_mask on the contiguous split, causal on TE's DualChunkSwap layout) and megatron-core's
 (``cp.megatron.DotProductAttention``, sbhd, p2p on the DualChunkSwap layout: causal, and chunk-causal as ``mask=``;
-rows skipped without megatron-core), forward + backward in bfloat16. Against one process:
+rows skipped without megatron-core), forward + backward in bfloat16. On a world of one, each mask also has a
+FlexAttention row (``gpu_peers.flex``: compiled ``flex_attention`` with a block mask built from the same
+``cp.Mask``'s key ranges; compiled at its first call, outside the timing; its failure is the row's status).
+Against one process:
 
 - error: out, dq, dk, dv against a float32 reference (one process's fused SDPA under the dense
   mask), max |diff| and max |diff| / max |ref|, beside the same figures of one process's bfloat16
   SDPA (the error a fused bfloat16 kernel has anyway);
 - peak memory: ``torch.cuda.max_memory_allocated`` above what was allocated before the call, the
-  busiest rank's, beside one process's SDPA on the whole sequence;
-- time: the slowest rank's, beside one process's bfloat16 SDPA on the whole sequence (the same
-  mask, every token), timed in turns; efficiency = t_sdpa / (ranks x t_ours), the fraction of the
-  fused kernel's throughput reached (above 1 where the mask lets ours skip what SDPA computes).
+  busiest rank's, beside one process's SDPA and FlexAttention on the whole sequence;
+- time: the slowest rank's, until the call's end on the device, beside one process's bfloat16 SDPA
+  (torch's default kernel, the same mask, every token) and, on a world of one, FlexAttention on the whole
+  sequence, timed in turns; the host's time per call (until it returns, before any synchronize) beside the
+  device's (CUDA events); ours / SDPA's and ours / Flex's time; efficiency = t_sdpa / (ranks x t_ours), the
+  fraction of the fused kernel's throughput reached (above 1 where the mask lets ours skip what SDPA computes);
+- TFLOP/s per GPU on the mask's allowed pairs (14 x pairs x heads x dim for forward + backward, the same count
+  for every kernel), beside the card's ceiling: a bfloat16 matmul's TFLOP/s measured in the same run.
 
 On several GPUs, a second table: the cross-rank check's cost. ``CHECK_CALLS`` masked ring calls
 (forward + backward, the default plan of the chunk-causal mask) launched back to back as a model's
@@ -45,6 +53,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from benchmarks import gpu_peers
 from benchmarks.bench_attention import time_in_turns
 from benchmarks.harness import median, spawn_measure, table
 
@@ -101,13 +110,16 @@ TE_MASK_TYPES = {"full": "no_mask", "causal": "causal"}
 MEGATRON_MASKS = ("causal", "chunk_causal")
 
 
-def cases(shape: Shape) -> list[tuple[str, str, str]]:
-    """(method, call, mask name) of every row for ``shape``, mask by mask (one reference each): the plain calls
-    (no mask; ``causal=True``) for full and causal, the default plan for every kind, Transformer Engine's face
+def cases(shape: Shape, world: int) -> list[tuple[str, str, str]]:
+    """(method, call, mask name) of every row for ``shape`` on ``world`` ranks, mask by mask (one reference each):
+    FlexAttention on the mask (one process's peer, on a world of one), the plain calls (no mask; ``causal=True``)
+    for full and causal, the default plan for every kind, Transformer Engine's face
     (``cp.transformer_engine.DotProductAttention``, bshd, p2p) for no_mask and causal, and megatron-core's
     (``cp.megatron.DotProductAttention``, sbhd, p2p) for causal and chunk-causal."""
     rows = []
     for name in masks(shape):
+        if world == 1:
+            rows.append(("flex", "peer", name))
         for method in ("ring", "usp"):
             rows += [(method, call, name) for call in (("plain", "plan") if name in ("full", "causal") else ("plan",))]
         if name in TE_MASK_TYPES:
@@ -115,62 +127,6 @@ def cases(shape: Shape) -> list[tuple[str, str, str]]:
         if name in MEGATRON_MASKS:
             rows.append(("megatron", "face", name))
     return rows
-
-
-# ---------------------------------------------------------------- the reference (one process)
-
-def sdpa_kwargs(mask_name: str, mask: Any, length: int, device: Any) -> dict[str, Any]:
-    """One process's SDPA arguments for ``mask`` on the whole sequence: none for full, torch's causal flag for
-    causal (its fused causal kernels), else the dense bool mask (True: may attend), built once."""
-    if mask_name == "full":
-        return {}
-    if mask_name == "causal":
-        return {"is_causal": True}
-    return {"attn_mask": mask.dense(length).to(device)}
-
-
-def fused_only() -> Any:
-    """On CUDA: SDPA without its math fallback, so that a reference no fused kernel takes fails with torch's
-    reason instead of holding a [heads, L, L] float32 score matrix."""
-    import contextlib
-
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if not torch.cuda.is_available():
-        return contextlib.nullcontext()
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
-
-
-def forward_backward(fn: Callable[..., Any], ins: list[Any], grad: Any) -> tuple[Any, ...]:
-    """``fn(*ins)`` and the gradients of ``ins`` for the output gradient ``grad``: (out, dq, dk, dv)."""
-    import torch
-
-    out = fn(*ins)
-    return (out.detach(), *torch.autograd.grad(out, ins, grad))
-
-
-def errors(got: tuple[Any, ...], want: tuple[Any, ...], scale: list[float]) -> dict[str, float]:
-    """max |diff| and max |diff| / ``scale`` (the whole reference's max |ref|) of out and of the worst gradient
-    (got and want: out, dq, dk, dv, or this rank's tokens of them)."""
-    diffs = [(g.float() - w.float()).abs().max().item() for g, w in zip(got, want, strict=True)]
-    rel = [d / (s or 1.0) for d, s in zip(diffs, scale, strict=True)]
-    return {"out_abs": diffs[0], "out_rel": rel[0], "grad_abs": max(diffs[1:]), "grad_rel": max(rel[1:])}
-
-
-def peak_bytes(fn: Callable[[], Any], device: Any) -> int | None:
-    """The most memory allocated during ``fn()`` beyond what was allocated before it (None off CUDA)."""
-    import torch
-
-    if device.type != "cuda":
-        fn()
-        return None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - base
 
 
 # ---------------------------------------------------------------- one rank
@@ -193,8 +149,9 @@ def _measure(rank: int, world: int, store: str, opts: dict[str, Any]) -> list[di
     ps.initialize_model_parallel(context_parallel_size=world, hierarchical_context_parallel_sizes=[u, r])
     groups = {"ring": dist.group.WORLD, "usp": ps.get_hierarchical_context_parallel_groups()}
     deadline = opts["deadline"]
-    rows = []
+    rows: list[dict[str, Any]] = []
     try:
+        rows.append({"table": "ceiling", "ranks": world, **gpu_peers.matmul_ceiling(device)})
         for shape in (SHAPES[s] for s in opts["sizes"]):
             rows += _shape_rows(shape, rank, world, groups, device, deadline, opts)
         if world > 1:
@@ -243,7 +200,7 @@ def _shape_rows(shape: Shape, rank: int, world: int, groups: dict[str, Any], dev
     full = [torch.randn(1, length, shape.heads, shape.dim, device=device, generator=g) for _ in range(4)]
     rows: list[dict[str, Any]] = []
     refs: dict[str, Any] = {}
-    for method, call, mask_name in cases(shape):
+    for method, call, mask_name in cases(shape, world):
         row: dict[str, Any] = {"shape": shape.name, "ranks": world, "method": method, "call": call,
                                "mask": mask_name}
         rows.append(row)
@@ -258,12 +215,13 @@ def _shape_rows(shape: Shape, rank: int, world: int, groups: dict[str, Any], dev
             continue
         mask = masks(shape)[mask_name]
         try:
-            if mask_name not in refs:  # the float32 reference and one process's bfloat16 SDPA, once per mask
+            if mask_name not in refs:  # the float32 reference, SDPA and FlexAttention, once per mask
                 refs.clear()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                refs[mask_name] = _reference(full, mask_name, mask, length, device)
-            measured = _case(method, call, mask_name, mask, refs[mask_name], full, rank, world, groups, device, opts)
+                refs[mask_name] = gpu_peers.reference(full, mask_name, mask, length, device, with_flex=world == 1)
+            case = _flex_case if method == "flex" else _case
+            measured = case(method, call, mask_name, mask, refs[mask_name], full, rank, world, groups, device, opts)
             failed = None
         except Exception as exc:  # one case's failure (out of memory, no kernel) is its row, not the end of the run
             failed = exc
@@ -275,20 +233,51 @@ def _shape_rows(shape: Shape, rank: int, world: int, groups: dict[str, Any], dev
                              else "failed on another rank")
             row["status"] = row["status"].splitlines()[0][:160]
             continue
-        plan, err, ours_peak, times = measured
-        ms = {k: median(v) * 1e3 for k, v in times.items()}
-        row.update(_worst({**err, "peak": ours_peak}, device))
-        ref = refs[mask_name]
-        row.update(sdpa_err=ref["sdpa_err"], sdpa_peak=ref["sdpa_peak"], ms=ms["ours"], sdpa_ms=ms["sdpa"],
-                   efficiency=ms["sdpa"] / (world * ms["ours"]), status="ok",
-                   plan=plan.method if call in ("plan", "face") else "contiguous (plain call)",
-                   transport=plan.transport, predicted_ms=plan.predicted_ms)
+        row.update(_figures(world, refs[mask_name], *measured, device))
     return rows
+
+
+def _figures(world: int, ref: dict[str, Any], plan: dict[str, Any], err: dict[str, float | None], peak: int | None,
+             clocks: dict[str, dict[str, float]], flops: float, device: Any) -> dict[str, Any]:
+    """A measured row's figures: its own (errors, peak and host / device ms the worst over the ranks), SDPA's and
+    FlexAttention's where it ran beside it, TFLOP/s on the mask's allowed pairs per GPU, and the time ratios."""
+    mine, sdpa, flex = clocks["row"], clocks["sdpa"], clocks.get("flex")
+    worst = _worst({**err, "peak": peak, "host_ms": mine["host_ms"], "device_ms": mine["device_ms"],
+                    "sdpa_host_ms": sdpa["host_ms"], "sdpa_device_ms": sdpa["device_ms"]}, device)
+    row = {**plan, **worst, "status": "ok", "sdpa_err": ref["sdpa_err"], "sdpa_peak": ref["sdpa_peak"],
+           "ms": mine["ms"], "sdpa_ms": sdpa["ms"], "tflops": gpu_peers.tflops(flops, world * mine["ms"] / 1e3),
+           "sdpa_tflops": gpu_peers.tflops(ref["flops"], sdpa["ms"] / 1e3), "vs_sdpa": mine["ms"] / sdpa["ms"],
+           "efficiency": sdpa["ms"] / (world * mine["ms"]),
+           "flex_ms": None, "flex_peak": None, "flex_tflops": None, "vs_flex": None}
+    if flex is not None:
+        row.update(flex_ms=flex["ms"], flex_peak=ref["flex_peak"], vs_flex=mine["ms"] / flex["ms"],
+                   flex_tflops=gpu_peers.tflops(ref["flex"].flops(ref["flops"]), flex["ms"] / 1e3))
+    return row
+
+
+def _sdpa_way(ref: dict[str, Any]) -> Callable[[], Any]:
+    return lambda: gpu_peers.forward_backward(ref["sdpa"], *ref["bf16"])
+
+
+def _flex_way(ref: dict[str, Any]) -> Callable[[], Any]:
+    return lambda: ref["flex"].step(ref["flex_ins"], ref["bf16"][1])
+
+
+def _flex_case(method: str, call: str, mask_name: str, mask: Any, ref: dict[str, Any], full: list[Any], rank: int,
+               world: int, groups: dict[str, Any], device: Any, opts: dict[str, Any]) -> tuple[Any, ...]:
+    """A FlexAttention row's figures (one process, built and compiled with the reference): how it ran, its errors
+    and peak memory, its time in turns with SDPA's, and the flops it did on the allowed pairs."""
+    peer = ref["flex"]
+    if isinstance(peer, Exception):  # building or compiling it failed: that is this row's status
+        raise peer
+    clocks = gpu_peers.clocked_turns({"row": _flex_way(ref), "sdpa": _sdpa_way(ref)}, groups["ring"], opts, device)
+    return {"plan": peer.how}, ref["flex_err"], ref["flex_peak"], clocks, peer.flops(ref["flops"])
 
 
 def _case(method: str, call: str, mask_name: str, mask: Any, ref: dict[str, Any], full: list[Any], rank: int,
           world: int, groups: dict[str, Any], device: Any, opts: dict[str, Any]) -> tuple[Any, ...]:
-    """One row's figures on this rank: the plan, the errors, the peak memory and both ways' times."""
+    """One row's figures on this rank: the plan, the errors, the peak memory, the times of ours, SDPA's and (on
+    one process, where it runs) FlexAttention's in turns, and the flops done on the allowed pairs."""
     import torch
 
     import cp
@@ -304,12 +293,15 @@ def _case(method: str, call: str, mask_name: str, mask: Any, ref: dict[str, Any]
     ins = [t[:, mine].to(bf16).requires_grad_(True) for t in full[:3]]
     grad = full[3][:, mine].to(bf16)
     fn = _ours(method, call, mask_name, plan, groups["ring"], *groups["usp"], shape=full[0].shape)
-    err = errors(forward_backward(fn, ins, grad), tuple(t[:, mine] for t in ref["fp32"]), ref["scale"])
-    peak = peak_bytes(lambda: forward_backward(fn, ins, grad), device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    ways = {"ours": lambda: (forward_backward(fn, ins, grad), sync()),
-            "sdpa": lambda: (forward_backward(ref["sdpa"], *ref["bf16"]), sync())}
-    return plan, err, peak, time_in_turns(ways, groups["ring"], {"reps": opts["reps"], "warmup": 1}, device=device)
+    step = gpu_peers.forward_backward
+    err = gpu_peers.errors(step(fn, ins, grad), tuple(t[:, mine] for t in ref["fp32"]), ref["scale"])
+    peak = gpu_peers.peak_bytes(lambda: step(fn, ins, grad), device)
+    ways = {"row": lambda: step(fn, ins, grad), "sdpa": _sdpa_way(ref)}
+    if isinstance(ref.get("flex"), gpu_peers.Flex):
+        ways["flex"] = _flex_way(ref)
+    about = {"plan": plan.method if call in ("plan", "face") else "contiguous (plain call)",
+             "transport": plan.transport, "predicted_ms": plan.predicted_ms}
+    return about, err, peak, gpu_peers.clocked_turns(ways, groups["ring"], opts, device), ref["flops"]
 
 
 #: Masked ring calls per timing of the check's cost: a model's layers, launched back to back.
@@ -423,53 +415,43 @@ def _ours(method: str, call: str, mask_name: str, plan: Any, group: Any, ug: Any
     return lambda q, k, v: cp.usp_attention(q, k, v, ulysses_group=ug, ring_group=rg, plan=plan)
 
 
-def _reference(full: list[Any], mask_name: str, mask: Any, length: int, device: Any) -> dict[str, Any]:
-    """The float32 reference (out, dq, dk, dv), one process's bfloat16 SDPA call, its error and peak memory."""
-    import torch
-
-    import cp
-
-    kwargs = sdpa_kwargs(mask_name, mask, length, device)
-
-    def sdpa(q: Any, k: Any, v: Any) -> Any:
-        with fused_only():
-            return cp.sdpa_in_layout(q, k, v, **kwargs)
-
-    fp32 = forward_backward(sdpa, [t.clone().requires_grad_(True) for t in full[:3]], full[3])
-    ins = [t.to(torch.bfloat16).requires_grad_(True) for t in full[:3]]
-    grad = full[3].to(torch.bfloat16)
-    scale = [t.abs().max().item() for t in fp32]
-    err = errors(forward_backward(sdpa, ins, grad), fp32, scale)
-    return {"fp32": fp32, "scale": scale, "sdpa": sdpa, "bf16": (ins, grad), "sdpa_err": err,
-            "sdpa_peak": peak_bytes(lambda: forward_backward(sdpa, ins, grad), device)}
-
-
 # ---------------------------------------------------------------- the table
 
 def _mib(b: float | None) -> str:
     return "-" if b is None else f"{b / 2**20:.0f}"
 
 
+def _num(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
 def table_rows(rows: list[dict[str, Any]]) -> list[list[Any]]:
-    """The printed table's cells of the rows the ranks measured (SDPA's figure in brackets)."""
+    """The printed table's cells of the rows the ranks measured (the peers' figures in brackets: SDPA's, then
+    FlexAttention's where it ran beside the row)."""
     out = []
     for r in rows:
         head = [r["shape"], r["ranks"], r["method"], r["call"], r["mask"]]
         if r.get("status") != "ok":
             out.append(head + [r.get("status", "-")] + ["-"] * (len(HEADER) - len(head) - 1))
             continue
-        sdpa, pred = r["sdpa_err"], r.get("predicted_ms")
+        sdpa = r["sdpa_err"]
         out.append(head + [
             r["plan"] + (f", {r['transport']}" if r.get("transport") else ""),
             f"{r['out_abs']:.2g} ({sdpa['out_abs']:.2g})", f"{r['out_rel']:.2g} ({sdpa['out_rel']:.2g})",
-            f"{r['grad_rel']:.2g} ({sdpa['grad_rel']:.2g})", f"{_mib(r['peak'])} ({_mib(r['sdpa_peak'])})",
-            f"{r['ms']:.2f} ({r['sdpa_ms']:.2f})", "-" if pred is None else f"{pred:.2f}", f"{r['efficiency']:.2f}",
+            f"{_num(r['grad_rel'], '.2g')} ({sdpa['grad_rel']:.2g})",
+            f"{_mib(r['peak'])} ({_mib(r['sdpa_peak'])}, {_mib(r['flex_peak'])})",
+            f"{r['ms']:.2f} ({r['sdpa_ms']:.2f}, {_num(r['flex_ms'], '.2f')})",
+            f"{r['host_ms']:.2f} / {r['device_ms']:.2f} ({r['sdpa_host_ms']:.2f} / {r['sdpa_device_ms']:.2f})",
+            f"{r['tflops']:.3g} ({r['sdpa_tflops']:.3g}, {_num(r['flex_tflops'], '.3g')})",
+            f"{r['vs_sdpa']:.2f}x", "-" if r["vs_flex"] is None else f"{r['vs_flex']:.2f}x",
+            _num(r.get("predicted_ms"), ".2f"), f"{r['efficiency']:.2f}",
         ])
     return out
 
 
 HEADER = ["shape", "ranks", "method", "call", "mask", "plan", "out max abs err (SDPA's)", "out rel err (SDPA's)",
-          "grad rel err (SDPA's)", "peak MiB (SDPA's)", "ms (SDPA's)", "predicted ms", "efficiency"]
+          "grad rel err (SDPA's)", "peak MiB (SDPA's, Flex's)", "ms (SDPA's, Flex's)", "host / device ms (SDPA's)",
+          "TFLOP/s per GPU (SDPA's, Flex's)", "ms / SDPA's", "ms / Flex's", "predicted ms", "efficiency"]
 
 
 def run(opts: dict[str, Any], worlds: list[int]) -> list[dict[str, Any]]:
@@ -520,16 +502,26 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(rows, f, indent=1)
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
     checks = [r for r in rows if r.get("table") == "check"]
-    rows = [r for r in rows if r.get("table") != "check"]
+    ceilings = [r for r in rows if r.get("table") == "ceiling"]
+    rows = [r for r in rows if "table" not in r]
+    flex_how = "compiled with torch.compile" if args.device == "cuda" else \
+        "eager, forward only (torch has no FlexAttention backward on a CPU; its figures and ms / Flex's are the forward's)"
     print(table(
-        f"cp attention in bfloat16 on {name}: ours beside one process's SDPA, forward + backward",
+        f"cp attention in bfloat16 on {name}: ours beside one process's SDPA and FlexAttention, forward + backward",
         HEADER, table_rows(rows),
         [", ".join(f"{s}: {SHAPES[s].describe()}" for s in sizes),
+         "the card's ceiling, a bfloat16 matmul measured in this run: " + "; ".join(
+             f"{c['n']}^3 at {c['tflops']:.3g} TFLOP/s (run of {c['ranks']} rank(s))" for c in ceilings),
+         f"flex / peer: FlexAttention on the same cp.Mask (create_block_mask from its key ranges), one process on the "
+         f"whole sequence, {flex_how}; SDPA: torch's default kernel (the dense mask past full and causal)",
          f"error against a float32 one-process SDPA (abs: max of the difference; rel: divided by the reference's "
          f"max; grad: the worst of dq, dk, dv), in brackets one process's bfloat16 SDPA's; peak: "
-         f"max_memory_allocated above the inputs, the busiest rank's, beside SDPA's on the whole sequence; ms: median "
-         f"of {args.reps}, slowest rank, in turns with one process's SDPA on the whole sequence; predicted: the "
-         f"plan's own estimate, where it has one; efficiency = SDPA ms / (ranks x ms)"],
+         f"max_memory_allocated above the inputs, the busiest rank's, beside SDPA's and Flex's on the whole sequence; "
+         f"ms: median of {args.reps}, slowest rank, until the call's end on the device, in turns with one process's "
+         f"SDPA (and, on one rank, Flex) on the whole sequence; host: until the call returns, before any "
+         f"synchronize; device: CUDA events around it (off CUDA, the host's); TFLOP/s: 14 x allowed (query, key) "
+         f"pairs x heads x dim / (ranks x ms), the same count for every kernel (SDPA computes every pair its "
+         f"call covers); predicted: the plan's own estimate, where it has one; efficiency = SDPA ms / (ranks x ms)"],
     ))
     if checks:
         print(table(

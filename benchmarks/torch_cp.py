@@ -70,19 +70,15 @@ def flex_attention(mesh: Any, mask: Any, q: Any, k: Any, v: Any) -> tuple[Callab
     every rank): the forward call on this rank's shards, and the global positions of its queries."""
     import torch
     from torch.distributed.tensor.parallel import parallelize_module
-    from torch.nn.attention.flex_attention import create_block_mask
     from torch.nn.attention.flex_attention import flex_attention as flex
+
+    from benchmarks.flex_mask import block_mask
 
     attention, load_balancer = _modules()
     length, world = q.shape[SEQ_DIM], mesh.size()
-    lo, hi = mask.key_range(torch.arange(length), length)  # every cp.Mask kind: one key interval per query
-
-    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return (lo[q_idx] <= kv_idx) & (kv_idx < hi[q_idx])
-
     balancer = load_balancer._HeadTailLoadBalancer(length, world, "cpu")
-    block_mask = create_block_mask(mask_mod, 1, 1, length, length, device="cpu")
-    mine = attention._context_parallel_shard(mesh, [q, k, v, block_mask], [SEQ_DIM] * 4, load_balancer=balancer)
+    mine = attention._context_parallel_shard(mesh, [q, k, v, block_mask(mask, length, "cpu")], [SEQ_DIM] * 4,
+                                             load_balancer=balancer)
 
     class Flex(torch.nn.Module):
         def __init__(self) -> None:
