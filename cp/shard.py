@@ -82,7 +82,8 @@ def uneven_sizes(what: str, shape: tuple[int, ...], seq_dim: int, dim: int, grou
     return shard_sizes(shape[dim], group_size)
 
 
-def _check_uneven(what: str, uneven: Any) -> None:
+def check_uneven(what: str, uneven: Any) -> None:
+    """TypeError unless ``uneven`` is a bool."""
     if not isinstance(uneven, bool):
         raise TypeError(f"{what}: uneven must be True or False, got {type(uneven).__name__} {uneven!r}")
 
@@ -108,7 +109,7 @@ def split_inputs_cp(x: torch.Tensor, seq_dim: int, cp_group: Any = None, *, unev
     what = "split_inputs_cp"
     check_tensor(what, x)
     check_group(cp_group, what)
-    _check_uneven(what, uneven)
+    check_uneven(what, uneven)
     n = cp_group.size()
     dim = normalize_dim(what, x.shape, seq_dim, n)
     if uneven:
@@ -132,7 +133,7 @@ def _gather_dim(what: str, x: torch.Tensor, seq_dim: int, cp_group: Any, length:
         return None, None
     check_tensor(what, x)
     check_group(cp_group, what)
-    _check_uneven(what, uneven)
+    check_uneven(what, uneven)
     _check_length(what, length)
     n = cp_group.size()
     dim = normalize_dim(what, x.shape, seq_dim, n)
@@ -266,6 +267,24 @@ def _buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
+def _strategy(strategy: str | None, out: torch.Tensor, x: torch.Tensor, group: Any) -> str:
+    """The gather's path: ``strategy`` when given (one of STRATEGIES), else chosen by backend and result size."""
+    if strategy is None:
+        big = out.numel() * out.element_size() >= GLOO_BROADCAST_MIN_BYTES
+        strategy = "broadcasts" if big and backend_for(group, x.device.type) == "gloo" else "all_gather"
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown gather strategy {strategy!r}; expected one of {STRATEGIES}")
+    return strategy
+
+
+def pad_rows(x3: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x3`` ([pre, size, row]) copied into a new [pre, rows, row] tensor; the rows past ``size`` are left
+    unwritten (collectives that want equal sizes carry them, nobody reads them)."""
+    padded = torch.empty(x3.shape[0], rows, x3.shape[2], dtype=x3.dtype, device=x3.device)
+    padded[:, :x3.shape[1]].copy_(x3)
+    return padded
+
+
 def gather_cat(x: torch.Tensor, dim: int, group: Any, n: int, strategy: str | None = None) -> torch.Tensor:
     """The gather itself; call without autograd recording.
 
@@ -279,14 +298,10 @@ def gather_cat(x: torch.Tensor, dim: int, group: Any, n: int, strategy: str | No
     pre = math.prod(shape[:dim])
     shard = x.numel() // pre
     out_slots = out.view(pre, n, shard)  # [:, i] is rank i's shard in place
-    if strategy is None:
-        big = out.numel() * out.element_size() >= GLOO_BROADCAST_MIN_BYTES
-        strategy = "broadcasts" if big and backend_for(group, x.device.type) == "gloo" else "all_gather"
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown gather strategy {strategy!r}; expected one of {STRATEGIES}")
+    strategy = _strategy(strategy, out, x, group)
     try:
         if strategy == "broadcasts":
-            _gather_by_broadcasts(x, out_slots, pre, shard, group, n, group.rank())
+            _gather_by_broadcasts(x, out.view(pre, n * shape[dim], shard // shape[dim]), (shape[dim],) * n, group)
             return out
         # One all-gather into n contiguous slots: the result itself when pre == 1, else a scratch buffer.
         slots = out_slots[0] if pre == 1 else _buffer(out.numel() * out.element_size(), x.device).view(
@@ -301,23 +316,30 @@ def gather_cat(x: torch.Tensor, dim: int, group: Any, n: int, strategy: str | No
     return out
 
 
-def _gather_by_broadcasts(x: torch.Tensor, out_slots: torch.Tensor, pre: int, shard: int, group: Any, n: int,
-                          rank: int) -> None:
-    """Fill ``out_slots`` ([pre, n, shard]) with one async broadcast per rank, each into its own slot."""
-    if pre == 1:
-        recv = {i: out_slots[0, i] for i in range(n) if i != rank}  # contiguous: receive in place
+def _gather_by_broadcasts(x: torch.Tensor, out3: torch.Tensor, sizes: tuple[int, ...], group: Any) -> None:
+    """Fill ``out3`` ([pre, total, row]) with one async broadcast per rank, rank i's ``sizes[i]`` rows into their
+    own run of it (in place when ``pre == 1``, else through scratch); ``x`` is this rank's contiguous shard."""
+    n, rank = len(sizes), group.rank()
+    pre, row = out3.shape[0], out3.shape[2]
+    starts = [sum(sizes[:i]) for i in range(n)]
+    if pre == 1:  # rank i's shard is one contiguous run of the result: receive in place
+        recv = {i: out3[0, starts[i]:starts[i] + sizes[i]] for i in range(n) if i != rank}
     else:
-        slots = _buffer((n - 1) * x.numel() * x.element_size(), x.device).view(x.dtype).view(n - 1, pre * shard)
-        recv = {i: slots[i - (i > rank)] for i in range(n) if i != rank}
+        scratch = _buffer((sum(sizes) - sizes[rank]) * pre * row * x.element_size(), x.device).view(x.dtype)
+        recv, at = {}, 0
+        for i in range(n):
+            if i != rank:
+                recv[i] = scratch[at:at + pre * sizes[i] * row].view(pre, sizes[i], row)
+                at += pre * sizes[i] * row
     ranks = global_ranks(group)
     # Same order on every rank, so the k-th broadcast of each rank is the same collective.
     works = [dist.broadcast(as_bytes(x if i == rank else recv[i]), ranks[i], group=group, async_op=True)
              for i in range(n)]
-    out_slots[:, rank].copy_(x.view(pre, shard))  # overlaps with the transfers in flight
+    out3[:, starts[rank]:starts[rank] + sizes[rank]].copy_(x.view(pre, sizes[rank], row))  # overlaps the transfers
     for i, work in enumerate(works):
         work.wait()
         if pre != 1 and i != rank:
-            out_slots[:, i].copy_(recv[i].view(pre, shard))
+            out3[:, starts[i]:starts[i] + sizes[i]].copy_(recv[i])
 
 
 def gather_cat_uneven(x: torch.Tensor, dim: int, group: Any, sizes: tuple[int, ...],
@@ -338,39 +360,15 @@ def gather_cat_uneven(x: torch.Tensor, dim: int, group: Any, sizes: tuple[int, .
     row = x.numel() // (pre * shape[dim])  # elements per index along dim
     starts = [sum(sizes[:i]) for i in range(n)]
     out3 = out.view(pre, total, row)
-    if strategy is None:
-        big = out.numel() * out.element_size() >= GLOO_BROADCAST_MIN_BYTES
-        strategy = "broadcasts" if big and backend_for(group, x.device.type) == "gloo" else "all_gather"
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown gather strategy {strategy!r}; expected one of {STRATEGIES}")
+    strategy = _strategy(strategy, out, x, group)
     mine = x.view(pre, sizes[rank], row)
     try:
         if strategy == "broadcasts":
-            if pre == 1:  # rank i's shard is one contiguous run of the result: receive in place
-                recv = {i: out3[0, starts[i]:starts[i] + sizes[i]] for i in range(n) if i != rank}
-            else:
-                scratch = _buffer((total - sizes[rank]) * pre * row * x.element_size(), x.device).view(x.dtype)
-                recv, at = {}, 0
-                for i in range(n):
-                    if i != rank:
-                        recv[i] = scratch[at:at + pre * sizes[i] * row].view(pre, sizes[i], row)
-                        at += pre * sizes[i] * row
-            ranks = global_ranks(group)
-            # Same order on every rank, so the k-th broadcast of each rank is the same collective.
-            works = [dist.broadcast(as_bytes(x if i == rank else recv[i]), ranks[i], group=group, async_op=True)
-                     for i in range(n)]
-            out3[:, starts[rank]:starts[rank] + sizes[rank]].copy_(mine)  # overlaps with the transfers
-            for i, work in enumerate(works):
-                work.wait()
-                if pre != 1 and i != rank:
-                    out3[:, starts[i]:starts[i] + sizes[i]].copy_(recv[i])
+            _gather_by_broadcasts(x, out3, sizes, group)
             return out
         big_size = max(sizes)
-        if sizes[rank] == big_size:
-            send = x
-        else:  # pad with one unread row per leading index: gloo's all-gather wants equal sizes
-            send = torch.empty(pre, big_size, row, dtype=x.dtype, device=x.device)
-            send[:, :sizes[rank]].copy_(mine)
+        # Pad with one unread row per leading index: gloo's all-gather wants equal sizes.
+        send = x if sizes[rank] == big_size else pad_rows(mine, big_size)
         slots = _buffer(n * pre * big_size * row * x.element_size(), x.device).view(x.dtype)
         all_gather_into(as_bytes(slots), as_bytes(send), group)
     except BaseException:
