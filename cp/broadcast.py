@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from cp import debug, meta
 from cp.comm import as_bytes, check_group, global_ranks, local_device, meta_device, transport_device
-from cp.shard import check_divisible, normalize_dim, uneven_sizes
+from cp.shard import check_divisible, check_uneven, normalize_dim, pad_rows, uneven_sizes
 
 
 def _check_src(what: str, src: Any, ranks: list[int]) -> None:
@@ -149,8 +149,7 @@ def broadcast_split_tensor(tensor: torch.Tensor | None, seq_dim: int, process_gr
     check_group(process_group, what, "process_group")
     if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
         raise TypeError(f"{what}: seq_dim must be an int, got {type(seq_dim).__name__} {seq_dim!r}")
-    if not isinstance(uneven, bool):
-        raise TypeError(f"{what}: uneven must be True or False, got {type(uneven).__name__} {uneven!r}")
+    check_uneven(what, uneven)
     n = process_group.size()
     ranks = global_ranks(process_group)
     src = min(ranks)
@@ -160,9 +159,7 @@ def broadcast_split_tensor(tensor: torch.Tensor | None, seq_dim: int, process_gr
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{what}: the source, global rank {src}, passed no tensor (it passed "
                             f"{type(tensor).__name__}); pass a torch.Tensor or None")
-        dim = normalize_dim(what, tensor.shape, seq_dim, n)
-        if uneven:
-            uneven_sizes(what, tensor.shape, seq_dim, dim, n)
+        _split_sizes(what, tuple(tensor.shape), seq_dim, n, uneven)
         return tensor
     if debug.enabled():
         debug.check_matches_source(what, tensor, ranks.index(src), process_group)
@@ -170,44 +167,48 @@ def broadcast_split_tensor(tensor: torch.Tensor | None, seq_dim: int, process_gr
     if m.kind == meta.NONE:
         return None
     # Every rank validates the source's shape, so a bad one raises everywhere and nothing waits.
-    dim = normalize_dim(what, m.shape, seq_dim, n)
-    if uneven:
-        sizes = uneven_sizes(what, m.shape, seq_dim, dim, n)
-    else:
-        check_divisible(what, m.shape, seq_dim, dim, n)
-        sizes = (m.shape[dim] // n,) * n
+    dim, sizes = _split_sizes(what, m.shape, seq_dim, n, uneven)
     rank = process_group.rank()
-    shard_shape = m.shape[:dim] + (sizes[rank],) + m.shape[dim + 1:]
-    out = torch.empty(shard_shape, dtype=m.dtype, device=local_device(m.device_type))
+    out = torch.empty(m.shape[:dim] + (sizes[rank],) + m.shape[dim + 1:], dtype=m.dtype,
+                      device=local_device(m.device_type))
     if out.numel() == 0:
         return out
-    is_src = dist.get_rank() == src
-    starts = [sum(sizes[:i]) for i in range(n)]
-    if len(set(sizes)) == 1:
-        pieces = None
-        if is_src:
-            # Views when the shards are contiguous already (seq_dim leading), else one copy in all.
-            pieces = [as_bytes(moved.narrow(dim, starts[i], sizes[i]).contiguous()) for i in range(n)]
-        dist.scatter(as_bytes(out), pieces, src=src, group=process_group)
-        return out
-    # Uneven: every piece travels padded to the longest shard (one unread row per leading index).
-    pre, big = math.prod(m.shape[:dim]), max(sizes)
-    row = math.prod(m.shape[dim + 1:])
-    pieces = None
-    if is_src:
-        pieces = []
-        for i in range(n):
-            piece = moved.narrow(dim, starts[i], sizes[i])
-            if sizes[i] == big:
-                pieces.append(as_bytes(piece.contiguous()))
-            else:
-                padded = torch.empty(pre, big, row, dtype=m.dtype, device=moved.device)
-                padded[:, :sizes[i]].copy_(piece.reshape(pre, sizes[i], row))
-                pieces.append(as_bytes(padded))
-    if sizes[rank] == big:
-        dist.scatter(as_bytes(out), pieces, src=src, group=process_group)
-        return out
-    recv = torch.empty(pre, big, row, dtype=m.dtype, device=out.device)
-    dist.scatter(as_bytes(recv), pieces, src=src, group=process_group)
-    out.view(pre, sizes[rank], row).copy_(recv[:, :sizes[rank]])
+    pieces = _scatter_pieces(moved, dim, sizes) if dist.get_rank() == src else None
+    _scatter_into(out, dim, pieces, sizes, rank, src, process_group)
     return out
+
+
+def _split_sizes(what: str, shape: tuple[int, ...], seq_dim: int, n: int, uneven: bool) -> tuple[int, tuple[int, ...]]:
+    """``seq_dim`` normalized for ``shape`` and the n shard sizes along it; the split's errors when it has none."""
+    dim = normalize_dim(what, shape, seq_dim, n)
+    if uneven:
+        return dim, uneven_sizes(what, shape, seq_dim, dim, n)
+    check_divisible(what, shape, seq_dim, dim, n)
+    return dim, (shape[dim] // n,) * n
+
+
+def _scatter_pieces(tensor: torch.Tensor, dim: int, sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    """The source's n shards of ``tensor`` along ``dim`` as the scatter sends them: as bytes, each padded to the
+    longest shard (one unread row per leading index) when the sizes differ."""
+    big = max(sizes)
+    pre, row = math.prod(tensor.shape[:dim]), math.prod(tensor.shape[dim + 1:])
+    pieces, start = [], 0
+    for size in sizes:
+        piece = tensor.narrow(dim, start, size)
+        start += size
+        # Views when the shards are contiguous already (seq_dim leading), else one copy in all.
+        pieces.append(as_bytes(piece.contiguous() if size == big else pad_rows(piece.reshape(pre, size, row), big)))
+    return pieces
+
+
+def _scatter_into(out: torch.Tensor, dim: int, pieces: list[torch.Tensor] | None, sizes: tuple[int, ...],
+                  rank: int, src: int, group: Any) -> None:
+    """The scatter: this rank's shard into ``out``, received padded to the longest shard where it is shorter."""
+    big = max(sizes)
+    if sizes[rank] == big:
+        dist.scatter(as_bytes(out), pieces, src=src, group=group)
+        return
+    pre, row = math.prod(out.shape[:dim]), math.prod(out.shape[dim + 1:])
+    recv = torch.empty(pre, big, row, dtype=out.dtype, device=out.device)
+    dist.scatter(as_bytes(recv), pieces, src=src, group=group)
+    out.view(pre, sizes[rank], row).copy_(recv[:, :sizes[rank]])
