@@ -241,11 +241,7 @@ class KVCache:
                 raise error
             assert t is not None
             return (t.local,)
-        tokens = digest = 0
-        if t is not None and problem is Problem.NONE:
-            tokens = t.local if op is Op.ATTEND else t.k.shape[t.s]
-            digest = agree.digest((t.q.dtype, t.q.device.type, t.s, t.h, scale,
-                                   [[size for d, size in enumerate(x.shape) if d != t.s] for x in (t.q, t.k, t.v)]))
+        tokens, digest = _tokens_and_digest(op, problem, t, scale)
         row = (int(op), int(problem), tokens, len(self._chunks), digest)
         device = meta_device(self._group)
         waits = call_check._reads_wait(device)
@@ -257,47 +253,9 @@ class KVCache:
             return last.sizes
         table = agree.gather([*row, int(call_check.NEW)], self._group)
         ranks = global_ranks(self._group)
-
-        def who(i: int) -> str:
-            return f"group rank {i} (global {ranks[i]})"
-
-        def ranks_where(keep: Any) -> str:
-            return ", ".join(who(i) for i, r in enumerate(table) if keep(r))
-
         if error is not None:
             raise type(error)(f"{error} (every rank of the cp group raises)")
-        if any(r[_FLAG] == call_check.CHECKED for r in table):  # they went on: their device assertion stops them
-            raise ValueError(
-                f"{what}: {ranks_where(lambda r: r[_FLAG] == call_check.CHECKED)} repeated their last call while "
-                f"{ranks_where(lambda r: r[_FLAG] != call_check.CHECKED)} made another; every rank of the cp group makes "
-                f"the same calls (PARALLEL_STATE_DEBUG=1 has every rank check every call in full and name the difference)")
-        bad = [r[_PROBLEM] for r in table if r[_PROBLEM]]
-        if bad:
-            said = "; ".join(f"{ranks_where(lambda r, c=code: r[_PROBLEM] == c)}: {_PROBLEMS[Problem(code)]}"
-                             for code in sorted(set(bad)))
-            raise ValueError(f"{what}: another rank of the cp group cannot make this call ({said})")
-        if len({r[_OP] for r in table}) > 1:
-            raise ValueError(
-                f"{what}: {ranks_where(lambda r: r[_OP] == Op.APPEND)} called KVCache.append while "
-                f"{ranks_where(lambda r: r[_OP] == Op.ATTEND)} called KVCache.attend; every rank of the cp group "
-                f"calls attend and append on its cache in the same order")
-        if len({r[_CHUNKS] for r in table}) > 1:
-            raise ValueError(
-                f"{what}: the ranks' caches hold different numbers of chunks ({[r[_CHUNKS] for r in table]} by group "
-                f"rank); every rank appends each chunk, and clears, together")
-        if len({r[_DIGEST] for r in table}) > 1:
-            raise ValueError(
-                f"{what}: the ranks' shards differ beyond their token counts (dtype, device, layout, batch, head or "
-                f"feature sizes, or softmax_scale); pass every rank its shard of one chunk, with the same scale")
-        got = tuple(r[_TOKENS] for r in table)
-        want = shard_sizes(sum(got), self._n)
-        if got != want:
-            wrong = "; ".join(f"{who(i)} holds {g}, expected {w}"
-                              for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
-            raise ValueError(
-                f"{what}: the ranks hold {list(got)} tokens of the chunk, but a chunk of {sum(got)} tokens splits over "
-                f"{self._n} ranks as shard_sizes({sum(got)}, {self._n}) = {list(want)} ({wrong}); cut the chunk with "
-                f"cp.split_inputs_cp(chunk, seq_dim, group, uneven=True)")
+        got = _judge(what, table, ranks)
         if waits:
             repeats = torch.tensor([[*r[:_FLAG], int(call_check.CHECKED)] for r in table], dtype=torch.int64,
                                    device=device)
@@ -363,3 +321,59 @@ def _merge_at_owners(out: torch.Tensor, lse: torch.Tensor, group: Any, sizes: tu
 
 
 __all__ = ["KVCache"]
+
+
+def _tokens_and_digest(op: Op, problem: Problem, t: inputs.Tensors | None, scale: float) -> tuple[int, int]:
+    """This rank's token count and call digest for its agreement row (zeros where its arguments are wrong)."""
+    if t is None or problem is not Problem.NONE:
+        return 0, 0
+    tokens = t.local if op is Op.ATTEND else t.k.shape[t.s]
+    digest = agree.digest((t.q.dtype, t.q.device.type, t.s, t.h, scale,
+                           [[size for d, size in enumerate(x.shape) if d != t.s] for x in (t.q, t.k, t.v)]))
+    return tokens, digest
+
+
+def _judge(what: str, table: list[list[int]], ranks: list[int]) -> tuple[int, ...]:
+    """The shard sizes of the chunk the agreement ``table`` (a row per group rank) gives, or the ValueError every
+    rank raises alike for what its rows say differs (``ranks``: the group's global ranks)."""
+
+    def who(i: int) -> str:
+        return f"group rank {i} (global {ranks[i]})"
+
+    def ranks_where(keep: Any) -> str:
+        return ", ".join(who(i) for i, r in enumerate(table) if keep(r))
+
+    if any(r[_FLAG] == call_check.CHECKED for r in table):  # they went on: their device assertion stops them
+        raise ValueError(
+            f"{what}: {ranks_where(lambda r: r[_FLAG] == call_check.CHECKED)} repeated their last call while "
+            f"{ranks_where(lambda r: r[_FLAG] != call_check.CHECKED)} made another; every rank of the cp group makes "
+            f"the same calls (PARALLEL_STATE_DEBUG=1 has every rank check every call in full and name the difference)")
+    bad = [r[_PROBLEM] for r in table if r[_PROBLEM]]
+    if bad:
+        said = "; ".join(f"{ranks_where(lambda r, c=code: r[_PROBLEM] == c)}: {_PROBLEMS[Problem(code)]}"
+                         for code in sorted(set(bad)))
+        raise ValueError(f"{what}: another rank of the cp group cannot make this call ({said})")
+    if len({r[_OP] for r in table}) > 1:
+        raise ValueError(
+            f"{what}: {ranks_where(lambda r: r[_OP] == Op.APPEND)} called KVCache.append while "
+            f"{ranks_where(lambda r: r[_OP] == Op.ATTEND)} called KVCache.attend; every rank of the cp group "
+            f"calls attend and append on its cache in the same order")
+    if len({r[_CHUNKS] for r in table}) > 1:
+        raise ValueError(
+            f"{what}: the ranks' caches hold different numbers of chunks ({[r[_CHUNKS] for r in table]} by group "
+            f"rank); every rank appends each chunk, and clears, together")
+    if len({r[_DIGEST] for r in table}) > 1:
+        raise ValueError(
+            f"{what}: the ranks' shards differ beyond their token counts (dtype, device, layout, batch, head or "
+            f"feature sizes, or softmax_scale); pass every rank its shard of one chunk, with the same scale")
+    got = tuple(r[_TOKENS] for r in table)
+    n = len(table)
+    want = shard_sizes(sum(got), n)
+    if got != want:
+        wrong = "; ".join(f"{who(i)} holds {g}, expected {w}"
+                          for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
+        raise ValueError(
+            f"{what}: the ranks hold {list(got)} tokens of the chunk, but a chunk of {sum(got)} tokens splits over "
+            f"{n} ranks as shard_sizes({sum(got)}, {n}) = {list(want)} ({wrong}); cut the chunk with "
+            f"cp.split_inputs_cp(chunk, seq_dim, group, uneven=True)")
+    return got
