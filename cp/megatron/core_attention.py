@@ -42,6 +42,43 @@ def _mask_type_name(value: Any, what: str) -> str:
                     f"{type(value).__name__}")
 
 
+def _check_supported(what: str, config: Any, attention_type: str, mask: Any) -> None:
+    """ValueError for what cp's engine cannot do: the largest logit (qk_clip), a mask on a cross attention."""
+    if config.qk_clip or config.log_max_attention_logit:
+        raise ValueError(f"{what}: qk_clip and log_max_attention_logit need the attention's largest logit, which "
+                         f"cp's engine does not return; set both False in the TransformerConfig")
+    if attention_type == "cross" and mask is not None:
+        raise ValueError(f"{what}: mask={mask} applies to self attention only, and this is a cross attention; "
+                         f"build it without mask= (swap_core_attention(spec, mask=) gives the mask to the self "
+                         f"attentions only)")
+
+
+def _groups(what: str, config: Any, cp_comm_type: Optional[str], pg_collection: Any) -> tuple[Any, dict[str, Any]]:
+    """The tensor-parallel group and the TE constructor's context-parallel kwargs, from ``pg_collection`` (None:
+    megatron-core's global state) as TEDotProductAttention takes them."""
+    if pg_collection is None:
+        tp_group = mps.get_tensor_model_parallel_group(check_initialized=False)
+        cp_group = mps.get_context_parallel_group(check_initialized=False)
+        hcp = mps.get_hierarchical_context_parallel_groups(check_initialized=False)
+    else:
+        tp_group, cp_group = pg_collection.tp, pg_collection.cp
+        hcp = getattr(pg_collection, "hcp", None)
+    cp_comm_type = "p2p" if cp_comm_type is None else cp_comm_type
+    cp_kwargs: dict[str, Any] = {"cp_comm_type": cp_comm_type}
+    # As TEDotProductAttention: the config decides whether this attention is context-parallel at all (an
+    # encoder may run without it while the decoder's group exists).
+    if config.context_parallel_size > 1:
+        ranks = None if cp_group is None else dist.get_process_group_ranks(cp_group)
+        if cp_comm_type == "a2a+p2p":
+            if cp_group is not None and not hcp:
+                raise ValueError(f"{what}: cp_comm_type='a2a+p2p' needs the hierarchical context-parallel groups: "
+                                 f"initialize_model_parallel(..., hierarchical_context_parallel_sizes=[a2a, p2p]) "
+                                 f"(or pg_collection.hcp)")
+            cp_group = list(hcp) if hcp else None
+        cp_kwargs.update(cp_group=cp_group, cp_global_ranks=ranks)
+    return tp_group, cp_kwargs
+
+
 class DotProductAttention(te.DotProductAttention):
     """A core attention for megatron-core layer specs (0.16 to 0.19), context-parallel on cp's engine.
 
@@ -85,33 +122,8 @@ class DotProductAttention(te.DotProductAttention):
         mask: Any = None,
     ) -> None:
         what = "cp.megatron.DotProductAttention"
-        if config.qk_clip or config.log_max_attention_logit:
-            raise ValueError(f"{what}: qk_clip and log_max_attention_logit need the attention's largest logit, which "
-                             f"cp's engine does not return; set both False in the TransformerConfig")
-        if attention_type == "cross" and mask is not None:
-            raise ValueError(f"{what}: mask={mask} applies to self attention only, and this is a cross attention; "
-                             f"build it without mask= (swap_core_attention(spec, mask=) gives the mask to the self "
-                             f"attentions only)")
-        if pg_collection is None:
-            tp_group = mps.get_tensor_model_parallel_group(check_initialized=False)
-            cp_group = mps.get_context_parallel_group(check_initialized=False)
-            hcp = mps.get_hierarchical_context_parallel_groups(check_initialized=False)
-        else:
-            tp_group, cp_group = pg_collection.tp, pg_collection.cp
-            hcp = getattr(pg_collection, "hcp", None)
-        cp_comm_type = "p2p" if cp_comm_type is None else cp_comm_type
-        cp_kwargs: dict[str, Any] = {"cp_comm_type": cp_comm_type}
-        # As TEDotProductAttention: the config decides whether this attention is context-parallel at all (an
-        # encoder may run without it while the decoder's group exists).
-        if config.context_parallel_size > 1:
-            ranks = None if cp_group is None else dist.get_process_group_ranks(cp_group)
-            if cp_comm_type == "a2a+p2p":
-                if cp_group is not None and not hcp:
-                    raise ValueError(f"{what}: cp_comm_type='a2a+p2p' needs the hierarchical context-parallel groups: "
-                                     f"initialize_model_parallel(..., hierarchical_context_parallel_sizes=[a2a, p2p]) "
-                                     f"(or pg_collection.hcp)")
-                cp_group = list(hcp) if hcp else None
-            cp_kwargs.update(cp_group=cp_group, cp_global_ranks=ranks)
+        _check_supported(what, config, attention_type, mask)
+        tp_group, cp_kwargs = _groups(what, config, cp_comm_type, pg_collection)
         window = config.window_size if is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
                                                                  layer_number) else None
         super().__init__(
