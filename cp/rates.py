@@ -104,26 +104,9 @@ def measure_rates(group: Any, *, heads: int = 8, head_dim: int = 64, dtype: torc
 
 def _measure(group: Any, n: int, rank: int, dev: torch.device, dtype: torch.dtype, heads: int, head_dim: int,
              backward: bool) -> Any:
-    g = torch.Generator(device="cpu").manual_seed(rank)
-    q, k, v = (torch.randn(1, heads, s, head_dim, generator=g).to(dev, dtype) for s in (QUERIES, KEYS, KEYS))
-    if backward:
-        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-
-    def block() -> None:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-        if backward:
-            out.sum().backward()
-
-    ranks = global_ranks(group)
-    to, frm = ranks[(rank + 1) % n], ranks[(rank - 1) % n]
+    block = _attention_block(rank, dev, dtype, heads, head_dim, backward)
     large = LARGE_BYTES_GPU if dev.type == "cuda" else LARGE_BYTES_CPU
-    bufs = {size: (torch.zeros(size, dtype=torch.uint8, device=dev), torch.empty(size, dtype=torch.uint8, device=dev))
-            for size in (SMALL_BYTES, large)}
-
-    def start(size: int) -> list[Any]:
-        send, recv = bufs[size]
-        return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, to, group, _TAG),
-                                       dist.P2POp(dist.irecv, recv, frm, group, _TAG)])
+    start = _ring_exchange(group, n, rank, dev, large)
 
     def exchange(size: int) -> Callable[[], None]:
         def run() -> None:
@@ -143,17 +126,56 @@ def _measure(group: Any, n: int, rank: int, dev: torch.device, dtype: torch.dtyp
     small, big = _best(exchange(SMALL_BYTES), dev), _best(exchange(large), dev)
     dist.barrier(group=group)
     overlapped = _best(both, dev)
-    host = zlib.crc32(socket.gethostname().encode())
-    if dev.type == "cuda":  # ranks on one host sharing a device index share that GPU
-        slot, cores = float(dev.index or 0), 1.0
-    else:
-        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        slot, cores = 0.0, usable / max(1, torch.get_num_threads())
-    mine = torch.tensor([together, small, big, overlapped, host, slot, cores], dtype=torch.float64,
+    mine = torch.tensor([together, small, big, overlapped, *_placement(dev)], dtype=torch.float64,
                         device=meta_device(group))
     every = torch.empty(n * mine.numel(), dtype=torch.float64, device=mine.device)
     all_gather_into(every, mine, group)
-    rows = every.view(n, mine.numel()).cpu()
+    return _rates(every.view(n, mine.numel()).cpu(), dev, large, heads, head_dim, backward)
+
+
+def _attention_block(rank: int, dev: torch.device, dtype: torch.dtype, heads: int, head_dim: int,
+                     backward: bool) -> Callable[[], None]:
+    """The timed block: fused attention of QUERIES x KEYS on this rank's own random inputs (and its backward)."""
+    g = torch.Generator(device="cpu").manual_seed(rank)
+    q, k, v = (torch.randn(1, heads, s, head_dim, generator=g).to(dev, dtype) for s in (QUERIES, KEYS, KEYS))
+    if backward:
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+
+    def block() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        if backward:
+            out.sum().backward()
+
+    return block
+
+
+def _ring_exchange(group: Any, n: int, rank: int, dev: torch.device, large: int) -> Callable[[int], list[Any]]:
+    """Starts this rank's send of a message of SMALL_BYTES or ``large`` bytes to the next rank and its receive from
+    the previous one (buffers made once), as the attention's transfers go; returns the works."""
+    ranks = global_ranks(group)
+    to, frm = ranks[(rank + 1) % n], ranks[(rank - 1) % n]
+    bufs = {size: (torch.zeros(size, dtype=torch.uint8, device=dev), torch.empty(size, dtype=torch.uint8, device=dev))
+            for size in (SMALL_BYTES, large)}
+
+    def start(size: int) -> list[Any]:
+        send, recv = bufs[size]
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, to, group, _TAG),
+                                       dist.P2POp(dist.irecv, recv, frm, group, _TAG)])
+
+    return start
+
+
+def _placement(dev: torch.device) -> tuple[float, float, float]:
+    """This rank's (host, device slot, cores over threads), for ``ranks_at_once``."""
+    host = zlib.crc32(socket.gethostname().encode())
+    if dev.type == "cuda":  # ranks on one host sharing a device index share that GPU
+        return host, float(dev.index or 0), 1.0
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return host, 0.0, usable / max(1, torch.get_num_threads())
+
+
+def _rates(rows: torch.Tensor, dev: torch.device, large: int, heads: int, head_dim: int, backward: bool) -> Any:
+    """The group's ``CostRates`` from every rank's row (block, small, large and overlapped ms, then placement)."""
     together, small, big, overlapped = (float(rows[:, i].median()) for i in range(4))
     parallel = ranks_at_once(rows[:, 4:].tolist(), dev.type == "cuda")
     flops = parallel_state.AttentionShape(heads=heads, head_dim=head_dim, backward=backward).pair_flops * QUERIES * KEYS
