@@ -58,21 +58,7 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_
     causal = inputs.check_causal(what, causal)
     total = inputs.check_length(what, length, n, cp_group)
     scale = inputs.check_scale(what, softmax_scale, t.feature)
-    if total is None:
-        blocks = (u * t.local,) * r
-        ulysses_length = None
-    else:
-        sizes = shard_sizes(total, n)
-        # Ring rank j's block is the u consecutive shards of cp ranks j*u .. j*u+u-1; tensor_split's sizes
-        # of a sum of consecutive shards split the same way again, so the Ulysses shards are shard_sizes(block, u).
-        blocks = tuple(sum(sizes[jj * u:(jj + 1) * u]) for jj in range(r))
-        if t.local != sizes[cp_rank]:
-            who = f"cp rank {cp_rank} (ring rank {j}, ulysses rank {i}, global {global_ranks(ulysses_group)[i]})"
-            raise ValueError(f"{what}: {who} holds {t.local} tokens (q {tuple(q.shape)}) but length={total} "
-                             f"over {n} ranks gives it {sizes[cp_rank]} (every cp rank's: {list(sizes)}); "
-                             f"shard the sequence with cp.split_inputs_cp(x, seq_dim, cp_group, uneven=True)")
-        # Even after all: no length, which spares Ulysses its size check (one small all-gather).
-        ulysses_length = None if len(set(sizes)) == 1 else blocks[j]
+    blocks, ulysses_length = _ring_blocks(what, t.local, tuple(q.shape), total, u, r, i, j, ulysses_group)
 
     def ring_fn(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
         # The whole ring block of this ring rank, for this rank's 1/u of the heads.
@@ -80,6 +66,26 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_
         return attend_blocks(inputs.Call(what, exchanged, ring, r, j, scale, causal=causal), blocks)
 
     return ulysses(inputs.Call(what, t, ulysses_group, u, i, scale, ulysses_length), ring_fn)
+
+
+def _ring_blocks(what: str, local: int, q_shape: tuple[int, ...], total: int | None, u: int, r: int, i: int, j: int,
+                 ulysses_group: Any) -> tuple[tuple[int, ...], int | None]:
+    """Every ring rank's block length and the Ulysses exchange's ``length`` (None: even shards), checking that this
+    rank (ulysses rank ``i``, ring rank ``j``, ``local`` tokens) holds its shard of ``total`` (None: even)."""
+    if total is None:
+        return (u * local,) * r, None
+    n, cp_rank = u * r, j * u + i
+    sizes = shard_sizes(total, n)
+    # Ring rank j's block is the u consecutive shards of cp ranks j*u .. j*u+u-1; tensor_split's sizes
+    # of a sum of consecutive shards split the same way again, so the Ulysses shards are shard_sizes(block, u).
+    blocks = tuple(sum(sizes[jj * u:(jj + 1) * u]) for jj in range(r))
+    if local != sizes[cp_rank]:
+        who = f"cp rank {cp_rank} (ring rank {j}, ulysses rank {i}, global {global_ranks(ulysses_group)[i]})"
+        raise ValueError(f"{what}: {who} holds {local} tokens (q {q_shape}) but length={total} "
+                         f"over {n} ranks gives it {sizes[cp_rank]} (every cp rank's: {list(sizes)}); "
+                         f"shard the sequence with cp.split_inputs_cp(x, seq_dim, cp_group, uneven=True)")
+    # Even after all: no length, which spares Ulysses its size check (one small all-gather).
+    return blocks, None if len(set(sizes)) == 1 else blocks[j]
 
 
 def masked_usp(call: inputs.Call) -> torch.Tensor:
