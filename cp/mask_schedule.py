@@ -139,6 +139,13 @@ class Schedule:
         """How this rank's query rows meet the tiles of all its blocks (what the engine merges)."""
         return _cover(self.local, [t.rows for b in self.blocks if b is not None for t in b.tiles])
 
+    def to(self, device: torch.device) -> Schedule:
+        """The same schedule with its index tensors on ``device`` (where the attention's tensors are)."""
+        return Schedule(self.rank, self.n, self.local, self.sizes,
+                        tuple(None if b is None else b.to(device) for b in self.blocks),
+                        tuple(None if s is None else Send(s.dest, s.size, _to(s.index, device)) for s in self.sends),
+                        self.needed)
+
 
 def _cover(count: int, spans: Sequence[Any]) -> Cover:
     """How ``count`` rows (or keys) meet ``spans`` in order: slices, index tensors or (start, stop) pairs."""
