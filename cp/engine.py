@@ -340,6 +340,7 @@ class _Engine(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         call, counts, tile_lse, views = ctx.call, ctx.counts, ctx.tile_lse, ctx.views
+        ctx.tile_lse, ctx.views = None, {}  # not held past this backward (a retained graph's next one slices again)
         sched = call.schedule
         q, k, v, out, lse = ctx.saved_tensors
         cd = kernels.compute_dtype(q.dtype)
@@ -386,8 +387,6 @@ class _Engine(torch.autograd.Function):
 
         _run_steps(kv, _gate(kv, None, grads), compute, settle)
         dk, dv = grads.result()
-        if dk is None:  # one rank whose queries see none of its keys
-            dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         (dq,) = dq_sink.results()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
@@ -397,7 +396,7 @@ def attend(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     Every rank of ``call.group`` (None: one process) must call it with the same schedule's plan and transport.
     The engine reads strided views of the inputs (heads before the sequence), as the fused kernels take them."""
     s, h = call.seq_dim, call.head_dim
-    qc, kc, vc = (t.movedim((h, s), (-3, -2)) for t in (q, k, v))
+    qc, kc, vc = (kernels.features_contiguous(t).movedim((h, s), (-3, -2)) for t in (q, k, v))
     lead = qc.shape[:-3]
     if len(lead) != 1:  # the kernels take one batch dim
         qc, kc, vc = (t.reshape(-1, *t.shape[-3:]) for t in (qc, kc, vc))

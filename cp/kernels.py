@@ -20,7 +20,7 @@ as SDPA itself prefers its kernels there), and the first that takes the tile and
 
 | card (compute capability) | full and causal tiles | masked tiles |
 |---|---|---|
-| Hopper, Blackwell (9.0 and later) | cuDNN, flash, efficient | efficient, cuDNN |
+| Hopper, Blackwell (9.0 and later) | cuDNN, flash, efficient (GQA: flash first) | efficient, cuDNN |
 | Ampere, Ada (8.x) | flash, efficient, cuDNN | efficient, cuDNN |
 | before 8.0 | efficient | efficient |
 
@@ -33,7 +33,8 @@ What each kernel takes:
   repeated for GQA. Left out under ``torch.use_deterministic_algorithms(True)`` (torch documents its
   backward as non-deterministic).
 - ``cuda_cudnn`` (``aten._scaled_dot_product_cudnn_attention``): float16 / bfloat16, one feature size, a
-  multiple of 8 up to 128; bias for masked tiles; K/V heads repeated for GQA.
+  multiple of 8 up to 128; bias for masked tiles; K/V heads repeated for GQA (so GQA tiles try flash first on
+  every card). Left out under ``torch.use_deterministic_algorithms(True)``, as SDPA leaves it out.
 
 Every CUDA backward op gets its dropout seed and offset (``philox_state``) where torch's own forward puts them:
 on the device for flash and cuDNN, on the host for memory-efficient.
@@ -168,17 +169,19 @@ def _cuda_fits(name: Kernel, dtype: torch.dtype, d: int, dv: int, kind: TileKind
     return ""
 
 
-def cuda_order(capability: tuple[int, int], tile_kind: TileKind) -> tuple[Kernel, ...]:
+def cuda_order(capability: tuple[int, int], tile_kind: TileKind, gqa: bool = False) -> tuple[Kernel, ...]:
     """The CUDA kernels in the order they are tried for a tile of ``tile_kind`` on a card of compute capability
     ``capability`` (major, minor), as SDPA itself prefers them there: on Hopper and later (9.0+) cuDNN's fused
     attention, then FlashAttention-2, then memory-efficient; on Ampere / Ada (8.x) FlashAttention-2 first;
-    before 8.0 memory-efficient only (torch's flash and cuDNN kernels need 8.0). Masked tiles (an additive bias,
-    which flash does not take) try memory-efficient, then cuDNN, on every card."""
+    before 8.0 memory-efficient only (torch's flash and cuDNN kernels need 8.0). With fewer K/V heads than query
+    heads (``gqa``) flash comes first on 9.0+ too: it reads the K/V heads as they are, where cuDNN's op here is
+    given them repeated. Masked tiles (an additive bias, which flash does not take) try memory-efficient, then
+    cuDNN, on every card."""
     if tuple(capability) < (8, 0):
         return (Kernel.CUDA_EFFICIENT,)
     if tile_kind is TileKind.MASKED:
         return (Kernel.CUDA_EFFICIENT, Kernel.CUDA_CUDNN)
-    if tuple(capability) >= (9, 0):
+    if tuple(capability) >= (9, 0) and not gqa:
         return (Kernel.CUDA_CUDNN, Kernel.CUDA_FLASH, Kernel.CUDA_EFFICIENT)
     return (Kernel.CUDA_FLASH, Kernel.CUDA_EFFICIENT, Kernel.CUDA_CUDNN)
 
@@ -218,12 +221,12 @@ def choose_kernel(device_type: str, dtype: torch.dtype, q_shape: tuple[int, ...]
                             diagonal_blocks=diagonal.blocks_for(r) if causal else 1)
     if device_type == "cuda":
         why = [] if tuple(capability) >= (8, 0) else [f"flash and cuDNN need compute capability 8.0 (got {capability})"]
-        for name in cuda_order(capability, tile_kind):
+        for name in cuda_order(capability, tile_kind, gqa=hq != hkv):
             if name not in cuda_kernels:
                 why.append(f"{name} switched off")
                 continue
-            if name is Kernel.CUDA_EFFICIENT and deterministic:
-                why.append("efficient is non-deterministic (torch.use_deterministic_algorithms)")
+            if name in (Kernel.CUDA_EFFICIENT, Kernel.CUDA_CUDNN) and deterministic:
+                why.append(f"{name} is non-deterministic (torch.use_deterministic_algorithms)")
                 continue
             no = _cuda_fits(name, dtype, d, dv, tile_kind)
             if no:
@@ -301,6 +304,13 @@ def _bias(masked: torch.Tensor, dtype: torch.dtype, align: int) -> torch.Tensor:
     padded = -(-cols // align) * align
     bias = torch.zeros(rows, padded, dtype=dtype, device=masked.device)[:, :cols]
     return bias.masked_fill_(masked, float("-inf"))
+
+
+def features_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where its last (feature) dim is contiguous, as it nearly always is; else a contiguous copy.
+    The fused ops take any strides but that one's: they read the features as contiguous (SDPA's dispatcher falls
+    back to its math kernel there; called directly, the CPU op computes garbage and the CUDA ops refuse)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
 def _expand(choice: KernelChoice, x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -491,6 +501,7 @@ def _math_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     return dq, dk, dv
 
 
-__all__ = ["AMPERE", "CUDA_KERNELS", "HeadLayout", "Kernel", "KernelChoice", "Name", "TileKind", "backward", "choose_kernel",
-           "compute_dtype", "cuda_kernels_enabled", "cuda_order", "forward", "mask_of", "philox_state"]
+__all__ = ["AMPERE", "CUDA_KERNELS", "HeadLayout", "Kernel", "KernelChoice", "Name", "TileKind", "backward",
+           "choose_kernel", "compute_dtype", "cuda_kernels_enabled", "cuda_order", "features_contiguous", "forward",
+           "mask_of", "philox_state"]
 

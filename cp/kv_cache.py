@@ -287,7 +287,8 @@ def _some_tokens(what: str, tokens: int, seq_dim: int) -> None:
 
 
 def _four(x: torch.Tensor) -> torch.Tensor:
-    """[..., H, L, D] with one batch dim, as the kernels take it (a view where the lead dims allow)."""
+    """[..., H, L, D] with one batch dim and contiguous features, as the kernels take it (a view where it can)."""
+    x = kernels.features_contiguous(x)
     return x if x.dim() == 4 else x.reshape(-1, *x.shape[-3:])
 
 

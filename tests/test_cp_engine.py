@@ -72,3 +72,55 @@ def test_one_process_calls_stay_within_the_op_and_memory_budgets():
         if name in budget:
             assert cost.ops <= budget[name] * base.ops, (name, cost.ops, base.ops, cost.by_op)
         assert cost.peak <= 1.5 * base.peak, (name, cost.peak, base.peak)
+
+
+def test_the_engine_runs_every_cuda_kernel_on_meta_tensors(monkeypatch):
+    """The engine's calls as a GPU runs them, through torch's meta kernels: schedules cached on another device than
+    the CPU (moved there once), every CUDA kernel's forward and backward for one tile, runs of rows, keys summed over
+    runs, masked tiles and GQA, in the inputs' layout, the gradients where and as the inputs are."""
+    from cp import kernels, masked
+
+    bf16, meta = torch.bfloat16, torch.device("meta")
+    for name in kernels.CUDA_KERNELS:
+        def choose(q, k, v, kind, name=name):
+            return kernels.choose_kernel("cuda", q.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape), kind,
+                                         cuda_kernels=frozenset({name}), capability=(9, 0))
+
+        monkeypatch.setattr(kernels, "choose_for", choose)
+        for mask in (cp.Mask.full(), cp.Mask.chunk_causal(64), cp.Mask.packed([96, 64, 96]),
+                     cp.Mask.sliding_window(16, 2)):
+            for kv_heads in (4, 2):
+                plan = cp.plan_dispatch(mask, 256, 1)
+                sched = masked.schedule(plan, "meta-test", lambda plan=plan: plan.positions, 0, meta)
+                assert all(b is None or b.index is None or b.index.device == meta for b in sched.blocks)
+                q = torch.empty(1, 256, 4, 64, dtype=bf16, device=meta, requires_grad=True)
+                k, v = (torch.empty(1, 256, kv_heads, 64, dtype=bf16, device=meta, requires_grad=True) for _ in "kv")
+                call = engine.AttentionCall(1, 2, 4 // kv_heads, 0.125, None, sched, transports.PointToPoint)
+                out = engine.attend(call, q, k, v)
+                assert (out.shape, out.dtype, out.device) == (q.shape, bf16, meta), (name, mask)
+                out.backward(torch.empty_like(out))
+                for t in (q, k, v):
+                    assert (t.grad.shape, t.grad.dtype, t.grad.device) == (t.shape, bf16, meta), (name, mask)
+                    t.grad = None
+
+
+def test_features_that_are_not_contiguous_are_read_right():
+    """q, k or v whose feature dim is strided (a transposed view): the fused kernels read features as contiguous,
+    so the engine (and the KV cache) hand them a contiguous copy; equal to the dense mask's attention in float64."""
+    gen = torch.Generator().manual_seed(1)
+    mask = cp.Mask.chunk_causal(8)
+    plan = cp.plan_dispatch(mask, 32, 1)
+    base = [torch.randn(1, 32, 6, 2, generator=gen, dtype=torch.float64) for _ in range(3)]
+    dense = [t.contiguous() for t in (x.transpose(-1, -2) for x in base)]   # [1, 32, 2, 6]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in dense), attn_mask=mask.dense(32)).transpose(1, 2)
+    for which in range(3):
+        ins = [x.transpose(-1, -2) if i == which else d for i, (x, d) in enumerate(zip(base, dense, strict=True))]
+        assert ins[which].stride(-1) != 1
+        got = cp.ring_attention(*ins, plan=plan)
+        assert torch.allclose(got, want, atol=1e-12), which
+    cache = cp.KVCache(None)
+    strided_k = base[1].transpose(-1, -2)
+    got = cache.attend(dense[0], strided_k, dense[2])
+    full = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in dense)).transpose(1, 2)
+    assert torch.allclose(got, full, atol=1e-12)

@@ -27,9 +27,13 @@ def test_cuda_choices_by_dtype_kind_and_shape():
         ((BF, Q, GQA_K, GQA_K, MASKED, {}), ("cuda_efficient", "expand", False, True)),
         ((F32, Q, K, K, CAUSAL, {}), ("cuda_efficient", "heads", True, False)),       # flash: half only
         ((BF, Q, K, (2, 8, 64, 32), FULL, {}), ("cuda_efficient", "heads", False, False)),  # dv != dk
-        ((BF, Q, K, K, MASKED, {"deterministic": True}), ("cuda_cudnn", "heads", False, True)),
+        ((BF, Q, K, K, MASKED, {"cuda_kernels": frozenset({"cuda_cudnn"})}), ("cuda_cudnn", "heads", False, True)),
         ((BF, Q, K, K, FULL, {"cuda_kernels": frozenset({"cuda_cudnn"})}), ("cuda_cudnn", "heads", False, False)),
-        ((BF, Q, GQA_K, GQA_K, MASKED, {"deterministic": True}), ("cuda_cudnn", "expand", False, True)),
+        ((BF, Q, GQA_K, GQA_K, MASKED, {"cuda_kernels": frozenset({"cuda_cudnn"})}),
+         ("cuda_cudnn", "expand", False, True)),
+        # Deterministic algorithms leave out efficient and cuDNN (as SDPA does): flash where it fits, else math.
+        ((BF, Q, K, K, MASKED, {"deterministic": True}), ("math", "rows", False, False)),
+        ((BF, Q, K, K, FULL, {"deterministic": True, "capability": (9, 0)}), ("cuda_flash", "heads", False, False)),
         ((F64, Q, K, K, FULL, {}), ("math", "rows", False, False)),
         ((F32, Q, K, K, MASKED, {"deterministic": True}), ("math", "rows", False, False)),
         ((BF, (1, 2, 4, 12), (1, 2, 4, 12), (1, 2, 4, 12), FULL, {}), ("math", "rows", False, False)),  # 12 % 8
@@ -185,11 +189,18 @@ def test_kernel_order_by_card():
                          **hopper).name == "cuda_flash"
     assert choose_kernel("cuda", BF, q, k, k, FULL, cuda_kernels=frozenset({"cuda_efficient"}), **hopper).name \
         == "cuda_efficient"
-    # A head dim cuDNN does not take (above 128) runs flash on Hopper; GQA runs flash's own heads there.
+    # A head dim cuDNN does not take (above 128) runs flash on Hopper; GQA runs flash first there (its own heads,
+    # no repeated K/V), cuDNN (with repeated K/V heads) where flash is off.
     big = (1, 8, 256, 256)
     assert choose_kernel("cuda", BF, big, big, big, CAUSAL, **hopper).name == "cuda_flash"
-    c = choose_kernel("cuda", BF, q, (1, 4, 256, 128), (1, 4, 256, 128), FULL, **hopper)
+    gqa_kv = (1, 4, 256, 128)
+    c = choose_kernel("cuda", BF, q, gqa_kv, gqa_kv, FULL, **hopper)
+    assert (c.name, c.layout) == ("cuda_flash", "heads")
+    c = choose_kernel("cuda", BF, q, gqa_kv, gqa_kv, FULL, cuda_kernels=frozenset({"cuda_cudnn"}), **hopper)
     assert (c.name, c.layout) == ("cuda_cudnn", "expand")
+    # Deterministic algorithms: cuDNN is out on Hopper too (SDPA's own rule), flash runs.
+    c = choose_kernel("cuda", BF, q, k, k, CAUSAL, deterministic=True, **hopper)
+    assert c.name == "cuda_flash"
     # Before 8.0 nothing but memory-efficient, and the reason says why when it cannot run either.
     old = choose_kernel("cuda", BF, q, k, k, FULL, deterministic=True, capability=(7, 0))
     assert old.name == "math" and "compute capability 8.0" in old.reason and "non-deterministic" in old.reason
