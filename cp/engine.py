@@ -396,12 +396,10 @@ def attend(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     Every rank of ``call.group`` (None: one process) must call it with the same schedule's plan and transport.
     The engine reads strided views of the inputs (heads before the sequence), as the fused kernels take them."""
     s, h = call.seq_dim, call.head_dim
-    qc, kc, vc = (kernels.features_contiguous(t).movedim((h, s), (-3, -2)) for t in (q, k, v))
-    lead = qc.shape[:-3]
-    if len(lead) != 1:  # the kernels take one batch dim
-        qc, kc, vc = (t.reshape(-1, *t.shape[-3:]) for t in (qc, kc, vc))
-    out = _Engine.apply(qc, kc, vc, call)
-    if len(lead) != 1:
+    moved = [t.movedim((h, s), (-3, -2)) for t in (q, k, v)]
+    lead = moved[0].shape[:-3]
+    out = _Engine.apply(*map(kernels.as_input, moved), call)
+    if len(lead) != 1:  # the kernels' one batch dim back to the caller's
         out = out.reshape(*lead, *out.shape[-3:])
     return out.movedim((-3, -2), (h, s))
 

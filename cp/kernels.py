@@ -313,6 +313,12 @@ def features_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
+def as_input(t: torch.Tensor) -> torch.Tensor:
+    """[..., H, L, D] as the kernels take it: one batch dim and contiguous features (a view where it can be)."""
+    t = features_contiguous(t)
+    return t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:])
+
+
 def _expand(choice: KernelChoice, x: torch.Tensor, groups: int) -> torch.Tensor:
     """k or v [B, Hkv, C, D], its heads repeated ``groups`` times for the ``expand`` layout."""
     return x.repeat_interleave(groups, dim=1) if choice.layout is HeadLayout.EXPAND and groups > 1 else x
@@ -501,7 +507,7 @@ def _math_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     return dq, dk, dv
 
 
-__all__ = ["AMPERE", "CUDA_KERNELS", "HeadLayout", "Kernel", "KernelChoice", "Name", "TileKind", "backward",
+__all__ = ["AMPERE", "CUDA_KERNELS", "HeadLayout", "Kernel", "KernelChoice", "Name", "TileKind", "as_input", "backward",
            "choose_kernel", "compute_dtype", "cuda_kernels_enabled", "cuda_order", "features_contiguous", "forward",
            "mask_of", "philox_state"]
 

@@ -269,10 +269,10 @@ class KVCache:
         qc = whole.movedim((h, s), (-3, -2))
         kc, vc = (x.movedim((h, s), (-3, -2)) for x in (t.k, t.v))
         lead = qc.shape[:-3]
-        q4, k4, v4 = (_four(x) for x in (qc, kc, vc))  # the kernels' [B, H, L, D]
+        q4, k4, v4 = (kernels.as_input(x) for x in (qc, kc, vc))  # the kernels' [B, H, L, D]
         out, lse = _partial(q4, k4, v4, scale)
         if self._k is not None and self._v is not None:
-            cached, clse = _partial(q4, _four(self._k), _four(self._v), scale)
+            cached, clse = _partial(q4, kernels.as_input(self._k), kernels.as_input(self._v), scale)
             online_softmax.merge(out, lse, cached, clse)
         if group is not None:
             out = _merge_at_owners(out, lse, group, sizes)
@@ -284,12 +284,6 @@ def _some_tokens(what: str, tokens: int, seq_dim: int) -> None:
     if tokens < 1:
         raise ValueError(f"{what}: this rank's shard holds no tokens (seq_dim={seq_dim}); every rank holds at least "
                          f"one token of the chunk: a chunk of at least as many tokens as the group has ranks")
-
-
-def _four(x: torch.Tensor) -> torch.Tensor:
-    """[..., H, L, D] with one batch dim and contiguous features, as the kernels take it (a view where it can)."""
-    x = kernels.features_contiguous(x)
-    return x if x.dim() == 4 else x.reshape(-1, *x.shape[-3:])
 
 
 def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
